@@ -1,0 +1,167 @@
+"""The standard workloads of BENCHMARKS.md: ``chat``, ``mixed`` and ``latency``."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from hf_paged import PagedGenerator, SamplingParams
+from hf_paged.bench.baselines import hf_generate_batch, hf_padded_generate
+from hf_paged.bench.common import (
+    SystemResult, best_of, compute_params, load_chat_messages, matmul_flops, print_report,
+)
+from hf_paged.models import load_default, parse_dtype
+
+ENGINE = "hf_paged"
+
+
+def run_engine(model, prompts, params, engine_kw: dict, track_kv: bool = False) -> tuple[SystemResult, list[list[int]], dict]:
+    """Time hf_paged from first submission to last token; optionally track KV allocation per step."""
+    engine = PagedGenerator(model, **engine_kw)
+    engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    peak = (0, 1)
+    start = time.perf_counter()
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        if track_kv:
+            allocated = engine.kv_manager.num_allocated_slots()
+            held = sum(r.num_computed_tokens for r in engine.scheduler.running)
+            if allocated > peak[0] and held:
+                peak = (allocated, held)
+    seconds = time.perf_counter() - start
+    stats = {"steps": engine.num_steps, "preemptions": engine.scheduler.num_preemptions,
+             "kv_waste": round(peak[0] / peak[1], 3) if track_kv else None}
+    engine.close()
+    outputs = [done[i] for i in ids]
+    return SystemResult(ENGINE, sum(len(o) for o in outputs), seconds, {"steps": stats["steps"]}), outputs, stats
+
+
+def _warm_hf(model, prompts, pad_id):
+    hf_padded_generate(model, prompts[:2], [4, 4], pad_id, None)
+
+
+def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, **_) -> dict:
+    model, tok = load_default(parse_dtype(dtype))
+    messages = load_chat_messages()
+    prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in messages]
+    eos = {tok.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
+    limits = [128] * len(prompts)
+    want = systems or {"padded", "generate_batch", ENGINE}
+    results = []
+    pad = tok.pad_token_id or 0
+    _warm_hf(model, prompts, pad)
+    hf_outputs = None
+    if "padded" in want:
+        runs = [hf_padded_generate(model, prompts, limits, pad, eos) for _ in range(max(1, repeat))]
+        res, hf_outputs = min(runs, key=lambda r: r[0].seconds)
+        results.append(res)
+    if "generate_batch" in want:
+        results.append(best_of(repeat, lambda: hf_generate_batch(model, prompts, limits, eos)[0]))
+    params = SamplingParams(max_tokens=128, temperature=0.0)
+    runs = [run_engine(model, prompts, params, dict(max_num_seqs=len(prompts))) for _ in range(max(1, repeat))]
+    res, outputs, _ = min(runs, key=lambda r: r[0].seconds)
+    results.append(res)
+    extra = {"requests": len(prompts), "model": "SmolLM2-135M-Instruct"}
+    if hf_outputs is not None:
+        # Greedy outputs of a padded batch and of the engine should agree (fp32: exactly, in practice).
+        extra["same_tokens_as_hf_generate"] = f"{sum(a == b for a, b in zip(outputs, hf_outputs))}/{len(prompts)}"
+    return print_report("chat", dtype, results, ENGINE, extra)
+
+
+def mixed_model(dtype: torch.dtype = torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+        vocab_size=32000, max_position_embeddings=2048, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def mixed_requests(n: int = 64, seed: int = 0, vocab: int = 32000) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for _ in range(n):
+        prompts.append([rng.randrange(3, vocab) for _ in range(rng.randint(16, 512))])
+        outs.append(rng.randint(16, 256))
+    return prompts, outs
+
+
+def mixed(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, **_) -> dict:
+    torch_dtype = parse_dtype(dtype)
+    model = mixed_model(torch_dtype)
+    prompts, limits = mixed_requests()
+    want = systems or {"static16", "generate_batch", ENGINE}
+    results = []
+    _warm_hf(model, prompts, 0)
+    hf_waste = None
+    if "static16" in want:
+        results.append(best_of(repeat, lambda: hf_padded_generate(
+            model, prompts, limits, 0, None, batch_size=16, label="HF generate (static batches of 16)")[0]))
+        hf_waste = _static_batch_waste(prompts, limits, 16)
+    if "generate_batch" in want:
+        results.append(best_of(repeat, lambda: hf_generate_batch(model, prompts, limits, None)[0]))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in limits]
+    runs = [run_engine(model, prompts, params, dict(max_num_seqs=len(prompts)), track_kv=True) for _ in range(max(1, repeat))]
+    res, _, stats = min(runs, key=lambda r: r[0].seconds)
+    results.append(res)
+    flops = matmul_flops(torch_dtype)
+    n_params = compute_params(model)
+    extra = {
+        "requests": len(prompts),
+        "kv_waste_hf_paged": stats["kv_waste"],
+        "kv_waste_hf_static_batches": hf_waste,
+        "mfu": {r.system: round(2 * n_params * r.tok_per_s / flops, 4) for r in results},
+        "matmul_gflops": round(flops / 1e9, 1),
+        "compute_params": n_params,
+    }
+    return print_report("mixed", dtype, results, ENGINE, extra)
+
+
+def _static_batch_waste(prompts, limits, batch_size) -> float:
+    """Peak padded-DynamicCache slots over the real tokens they hold, batch by batch."""
+    peak = (0, 1)
+    for start in range(0, len(prompts), batch_size):
+        p = prompts[start : start + batch_size]
+        n = limits[start : start + batch_size]
+        allocated = len(p) * (max(map(len, p)) + max(n))
+        held = sum(len(a) + b for a, b in zip(p, n))
+        if allocated > peak[0]:
+            peak = (allocated, held)
+    return round(peak[0] / peak[1], 3)
+
+
+def latency(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, **_) -> dict:
+    model, tok = load_default(parse_dtype(dtype))
+    text = " ".join(m[0]["content"] for m in load_chat_messages())
+    prompt = tok(text)["input_ids"][:128]
+    want = systems or {"padded", ENGINE}
+    results = []
+    _warm_hf(model, [prompt, prompt], tok.pad_token_id or 0)
+    if "padded" in want:
+        results.append(best_of(repeat, lambda: hf_padded_generate(model, [prompt], [256], 0, None, label="HF generate")[0]))
+    params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+    runs = [run_engine(model, [prompt], params, dict(max_num_seqs=4)) for _ in range(max(1, repeat))]
+    results.append(min(runs, key=lambda r: r[0].seconds)[0])
+    ms = {r.system: round(1000 * r.seconds / r.tokens, 2) for r in results}
+    return print_report("latency", dtype, results, ENGINE, {"ms_per_output_token": ms})
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return [x] if isinstance(x, int) else list(x)
+
+
+WORKLOADS = {"chat": chat, "mixed": mixed, "latency": latency}

@@ -1,0 +1,127 @@
+"""The paged KV pool: per-layer ``k_cache``/``v_cache`` tensors and how many blocks to give them."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from hf_paged.attention import METADATA_KWARG, KVLayoutProbe
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerKVSpec:
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+
+def probe_kv_layout(model: torch.nn.Module) -> list[LayerKVSpec]:
+    """Run one token through the model to learn every attention layer's K/V shape and dtype.
+
+    Works for any architecture that routes attention through the interface, whatever its config calls
+    heads and head sizes.
+    """
+    probe = KVLayoutProbe()
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, **{METADATA_KWARG: probe})
+    if probe.unindexed:
+        raise NotImplementedError(f"{type(model).__name__} has attention modules without layer_idx")
+    if not probe.layers:
+        raise NotImplementedError(
+            f"{type(model).__name__} does not pass keyword arguments through to its attention function; "
+            "hf_paged needs that to hand each layer its paged metadata"
+        )
+    n = max(probe.layers) + 1
+    missing = sorted(set(range(n)) - set(probe.layers))
+    if missing:
+        raise NotImplementedError(f"{type(model).__name__}: attention layers {missing} never ran in the probe forward")
+    return [LayerKVSpec(*probe.layers[i]) for i in range(n)]
+
+
+def kv_bytes_per_token(specs: list[LayerKVSpec]) -> int:
+    return sum(s.bytes_per_token for s in specs)
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+class KVPool:
+    """Per-layer ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    On CPU the tensors come from ``torch.empty``: the OS hands out pages as blocks are first written, so a
+    large pool costs no resident memory until it is used. Nothing reads an unwritten slot.
+    """
+
+    def __init__(
+        self, specs: list[LayerKVSpec], num_blocks: int, block_size: int, device: torch.device
+    ) -> None:
+        self.specs = specs
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = device
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for spec in specs:
+            shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+            self.kv_caches.append(
+                (torch.empty(shape, dtype=spec.dtype, device=device), torch.empty(shape, dtype=spec.dtype, device=device))
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.specs)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return kv_bytes_per_token(self.specs) * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+
+def decide_num_blocks(
+    specs: list[LayerKVSpec],
+    block_size: int,
+    device: torch.device,
+    num_blocks: int | None,
+    kv_cache_memory: int | None,
+    memory_fraction: float,
+    max_tokens_needed: int,
+) -> int:
+    """Blocks for the pool: ``num_blocks`` if given, else from a byte budget, else from free memory.
+
+    The memory-derived default is capped at ``max_tokens_needed`` (max_num_seqs full-length sequences):
+    a pool larger than anything the scheduler can fill only wastes address space.
+    """
+    per_block = kv_bytes_per_token(specs) * block_size
+    if num_blocks is not None:
+        return num_blocks
+    if kv_cache_memory is not None:
+        n = kv_cache_memory // per_block
+        if n < 1:
+            raise ValueError(
+                f"kv_cache_memory={kv_cache_memory} bytes is less than one block ({per_block} bytes)"
+            )
+        return n
+    budget = int(available_memory(device) * memory_fraction)
+    n = max(1, budget // per_block)
+    return min(n, -(-max_tokens_needed // block_size))

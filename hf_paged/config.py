@@ -1,0 +1,68 @@
+"""Engine configuration: a small dataclass; user keyword arguments are checked against its fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from hf_paged.kernels import BACKENDS
+
+
+@dataclass
+class EngineConfig:
+    """Settings of a :class:`~hf_paged.PagedGenerator`.
+
+    Args:
+        block_size: Tokens per KV block (a power of two).
+        num_blocks: Blocks in the KV pool. Overrides ``kv_cache_memory``.
+        kv_cache_memory: Bytes for the KV pool (all layers, K and V).
+        kv_cache_memory_fraction: Without the two above, this fraction of the free memory (host RAM on CPU,
+            device memory on CUDA) goes to the pool, capped at what ``max_num_seqs`` full sequences can use.
+        max_num_seqs: Most requests running at once.
+        max_num_batched_tokens: Token budget of one step (decode tokens + prefill chunks).
+        max_model_len: Longest sequence (prompt + output). Default: the model's
+            ``max_position_embeddings``, capped at the pool's capacity.
+        enable_chunked_prefill: Split prompts longer than the step's remaining budget across steps.
+        attention_backend: "auto" (Triton on CUDA, torch otherwise), "torch" or "triton".
+        seed: Seed of the engine generator used by sampled requests that bring no seed of their own.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    kv_cache_memory_fraction: float = 0.3
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
+            _require_int(name, getattr(self, name), 1 if name != "seed" else 0)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
+            if getattr(self, name) is not None:
+                _require_int(name, getattr(self, name), 1)
+        if not isinstance(self.kv_cache_memory_fraction, (int, float)) or not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise TypeError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - allowed)
+        if unknown:
+            raise TypeError(f"unknown engine config key(s) {unknown}; allowed: {sorted(allowed)}")
+        return cls(**kwargs)
+
+
+def _require_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")

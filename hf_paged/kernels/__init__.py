@@ -1,0 +1,150 @@
+"""Paged KV ops, dispatched on device: ``store_kv`` and ``paged_attention`` (DESIGN.md section 4).
+
+``backend``: "auto" (Triton for CUDA tensors, torch otherwise), "torch", or "triton" (on CPU only under
+``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hf_paged.kernels.torch_attention import TorchAttentionPlan, paged_attention_torch, store_kv_torch
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map "auto" to the concrete backend for ``device`` and check the choice can run here."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if backend == "triton":
+        if not _triton_available():
+            raise ImportError("attention_backend='triton' needs the triton package: pip install 'hf-paged[triton]'")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"attention_backend='triton' runs on CUDA tensors, got device {device}; on CPU it runs only "
+                "under the Triton interpreter (set TRITON_INTERPRET=1 before importing triton)"
+            )
+    return backend
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_ops():
+    try:
+        from hf_paged.kernels import triton_attention
+    except ImportError as e:  # the Triton kernels land in their own issue
+        raise NotImplementedError(f"the Triton backend is not available: {e}") from e
+    return triton_attention
+
+
+def _check_cache(name: str, cache: torch.Tensor, ref: torch.Tensor) -> None:
+    if cache.dim() != 4:
+        raise ValueError(f"expected {name} of shape [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(cache.shape)}")
+    if cache.device != ref.device:
+        raise ValueError(f"expected {name} on {ref.device}, got {cache.device}")
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend: str = "auto",
+) -> None:
+    """Write one step's keys and values into the paged pool.
+
+    Args:
+        key: ``[num_tokens, num_kv_heads, head_dim]``.
+        value: ``[num_tokens, num_kv_heads, head_dim]``.
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
+        v_cache: same shape as ``k_cache``, written in place.
+        slot_mapping: ``[num_tokens]`` int32/int64, ``block_id * block_size + offset``; -1 skips the token.
+        backend: "auto", "torch" or "triton".
+    """
+    _check_cache("k_cache", k_cache, key)
+    if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"expected key/value of shape [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}], "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if slot_mapping.shape != key.shape[:1]:
+        raise ValueError(f"expected slot_mapping of shape [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if resolve_backend(backend, key.device) == "triton":
+        _triton_ops().store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    backend: str = "auto",
+    plan: TorchAttentionPlan | None = None,
+) -> torch.Tensor:
+    """Varlen attention of each query token over its own sequence's cached keys.
+
+    Sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``, the last ``q_len`` of its
+    ``seq_lens[s]`` tokens; they attend causally. One op serves decode (q_len 1), prefill, chunked
+    prefill over a cached prefix and speculative verification (q_len 1+k).
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]``; ``num_heads`` a multiple of ``num_kv_heads`` (GQA).
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        v_cache: same shape as ``k_cache``.
+        block_tables: ``[num_seqs, max_blocks]`` int32, padded with 0 (never read past ``seq_lens``).
+        seq_lens: ``[num_seqs]`` tokens of each sequence in the cache, this step's included.
+        cu_seqlens_q: ``[num_seqs + 1]`` offsets of each sequence's query rows.
+        max_seqlen_q: largest query length.
+        max_seqlen_k: largest ``seq_lens`` entry.
+        scale: softmax scale applied to ``q @ k``.
+        sliding_window: with window W a query at position p sees keys p-W+1 .. p (HF convention).
+        softcap: ``scores = softcap * tanh(scores / softcap)`` before masking.
+        backend: "auto", "torch" or "triton".
+        plan: precomputed per-step indices for the torch backend (built here when None).
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in the query's dtype.
+    """
+    _check_cache("k_cache", k_cache, query)
+    if query.dim() != 3 or query.shape[2] != k_cache.shape[3] or query.shape[1] % k_cache.shape[2]:
+        raise ValueError(
+            f"expected query of shape [num_tokens, k*{k_cache.shape[2]}, {k_cache.shape[3]}], got {tuple(query.shape)}"
+        )
+    if block_tables.dim() != 2 or cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(
+            f"expected block_tables [num_seqs, max_blocks] and cu_seqlens_q [num_seqs + 1], got "
+            f"{tuple(block_tables.shape)} and {tuple(cu_seqlens_q.shape)} for {seq_lens.shape[0]} sequences"
+        )
+    if resolve_backend(backend, query.device) == "triton":
+        return _triton_ops().paged_attention_triton(
+            query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+            scale, sliding_window, softcap,
+        )
+    return paged_attention_torch(
+        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+        scale, sliding_window, softcap, plan=plan,
+    )
+
+
+__all__ = ["BACKENDS", "TorchAttentionPlan", "paged_attention", "resolve_backend", "store_kv"]

