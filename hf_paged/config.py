@@ -22,8 +22,11 @@ class EngineConfig:
         max_model_len: Longest sequence (prompt + output). Default: the model's
             ``max_position_embeddings``, capped at the pool's capacity.
         enable_chunked_prefill: Split prompts longer than the step's remaining budget across steps.
-        attention_backend: "auto" (Triton on CUDA, torch otherwise), "torch" or "triton".
+        attention_backend: "auto" (Triton on CUDA; on CPU the native kernel when it builds, else torch),
+            "torch", "cpu" or "triton".
         seed: Seed of the engine generator used by sampled requests that bring no seed of their own.
+        prepack_weights: Pack fp32 ``nn.Linear`` weights once for MKL (CPU): faster engine matmuls for
+            about the weights' size in extra memory. None = on for fp32 models on CPU when MKL is there.
     """
 
     block_size: int = 16
@@ -36,6 +39,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     seed: int = 0
+    prepack_weights: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
@@ -49,8 +53,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
-        if not isinstance(self.enable_chunked_prefill, bool):
-            raise TypeError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
+        for name in ("enable_chunked_prefill", "prepack_weights"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "prepack_weights" and value is None):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

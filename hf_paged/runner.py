@@ -10,7 +10,7 @@ import torch
 from hf_paged.attention import METADATA_KWARG, AttentionMetadata, engine_forward
 from hf_paged.cache import KVPool
 from hf_paged.core.scheduler import ScheduledRequest, SchedulerOutput
-from hf_paged.kernels import TorchAttentionPlan
+from hf_paged.kernels import TorchAttentionPlan, cpu_attention
 from hf_paged.sampling import Sampler
 from hf_paged.sequence import Request
 
@@ -71,22 +71,26 @@ class ModelRunner:
         self.device = pool.device
         self.block_size = pool.block_size
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._native_max_q = cpu_attention.MAX_Q if backend == "cpu" and pool.supports_native() else 0
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         ids, positions, slots, tables, seq_lens, cu, sample_rows = pack_step(out.scheduled, self.block_size)
         device = self.device
         max_blocks = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=device)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
         q_lens = [cu[i + 1] - cu[i] for i in range(len(tables))]
         plan = None
-        if self.backend == "torch":
-            plan = TorchAttentionPlan(block_tables.to(device), seq_lens, q_lens, self.block_size, len(ids))
+        if self.backend in ("torch", "cpu"):
+            plan = TorchAttentionPlan(
+                block_tables, seq_lens, q_lens, self.block_size, len(ids), self._native_max_q, seq_lens_t, cu_t
+            )
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            block_tables=block_tables.to(device),
-            seq_lens=seq_lens_t.to(device),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            block_tables=block_tables,
+            seq_lens=seq_lens_t,
+            cu_seqlens_q=cu_t,
             max_seqlen_q=max(q_lens),
             max_seqlen_k=max(seq_lens),
             kv_caches=self.pool.kv_caches,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_paged.kernels import TorchAttentionPlan, paged_attention, store_kv
+from hf_paged.kernels import TorchAttentionPlan, cpu_attention, paged_attention, resolve_backend, store_kv
 from hf_paged.kernels.reference import paged_attention_reference, store_kv_reference
 from tests.kernel_cases import make_case
 
@@ -17,26 +17,37 @@ SHAPES = {
 }
 
 
+CPU_BACKENDS = ["torch", "cpu"]
+
+
+def test_native_kernel_builds_here():
+    """The C compiler is part of our machines; if this fails, "auto" silently falls back to torch."""
+    assert cpu_attention.available()
+    assert resolve_backend("auto", torch.device("cpu")) == "cpu"
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2), (8, 1)])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_paged_attention_matches_reference(shape, heads, block_size):
+def test_paged_attention_matches_reference(shape, heads, block_size, backend):
     seq_lens, q_lens = SHAPES[shape]
     case = make_case(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size)
     want = paged_attention_reference(*case.args())
-    got = paged_attention(*case.args(), backend="torch")
+    got = paged_attention(*case.args(), backend=backend)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("shape", ["decode", "mixed", "chunk_over_prefix", "long_prefill_and_decodes"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("shape", ["decode", "mixed", "chunk_over_prefix", "long_prefill_and_decodes", "spec_verify"])
 @pytest.mark.parametrize("window", [1, 4, 9])
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_sliding_window_and_softcap(shape, window, softcap):
+def test_sliding_window_and_softcap(shape, window, softcap, backend):
     seq_lens, q_lens = SHAPES[shape]
     case = make_case(seq_lens, q_lens, num_heads=6, num_kv_heads=2, block_size=4, seed=3)
     want = paged_attention_reference(*case.args(), sliding_window=window, softcap=softcap)
-    got = paged_attention(*case.args(), sliding_window=window, softcap=softcap, backend="torch")
+    got = paged_attention(*case.args(), sliding_window=window, softcap=softcap, backend=backend)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -50,20 +61,45 @@ def test_plan_is_reused_across_layers_and_windows():
     assert set(plan.groups[0].masks) <= {None, 3}
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_close_to_fp32_reference(dtype):
-    case = make_case(*SHAPES["mixed"], num_heads=4, num_kv_heads=2, dtype=dtype)
+@pytest.mark.parametrize("shape", ["mixed", "spec_verify"])
+def test_low_precision_close_to_fp32_reference(dtype, backend, shape):
+    case = make_case(*SHAPES[shape], num_heads=4, num_kv_heads=2, dtype=dtype)
     want = paged_attention_reference(*case.args())
-    got = paged_attention(*case.args(), backend="torch")
+    got = paged_attention(*case.args(), backend=backend)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_zero_length_query_rows_are_skipped():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_zero_length_query_rows_are_skipped(backend):
     case = make_case([6, 9, 4], [2, 0, 1], num_heads=4, num_kv_heads=2)
     want = paged_attention_reference(*case.args())
-    got = paged_attention(*case.args(), backend="torch")
+    got = paged_attention(*case.args(), backend=backend)
+    torch.testing.assert_close(got[[0, 1, 2]], want[[0, 1, 2]], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("num_seqs", [1, 3, 40])  # fewer sequences than 2x threads split work by KV head
+def test_native_kernel_head_dims_and_work_split(head_dim, num_seqs):
+    g = torch.Generator().manual_seed(num_seqs)
+    seq_lens = torch.randint(1, 70, (num_seqs,), generator=g).tolist()
+    q_lens = [min(n, q) for n, q in zip(seq_lens, torch.randint(1, 17, (num_seqs,), generator=g).tolist())]
+    case = make_case(seq_lens, q_lens, num_heads=8, num_kv_heads=4, head_dim=head_dim, block_size=16)
+    plan = TorchAttentionPlan.build(case.block_tables, case.seq_lens, case.cu_seqlens_q, 16, native_max_q=16)
+    assert plan.native_seq_ids is not None and not plan.groups  # every sequence went native
+    want = paged_attention_reference(*case.args())
+    got = paged_attention(*case.args(), backend="cpu", plan=plan)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_native_and_sdpa_groups_share_one_step():
+    case = make_case(*SHAPES["long_prefill_and_decodes"], num_heads=4, num_kv_heads=2, block_size=4)
+    plan = TorchAttentionPlan.build(case.block_tables, case.seq_lens, case.cu_seqlens_q, 4, native_max_q=16)
+    assert plan.native_seq_ids.tolist() == [1, 2] and len(plan.groups) == 1
+    want = paged_attention_reference(*case.args())
+    torch.testing.assert_close(paged_attention(*case.args(), backend="cpu", plan=plan), want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

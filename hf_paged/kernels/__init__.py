@@ -1,7 +1,11 @@
 """Paged KV ops, dispatched on device: ``store_kv`` and ``paged_attention`` (DESIGN.md section 4).
 
-``backend``: "auto" (Triton for CUDA tensors, torch otherwise), "torch", or "triton" (on CPU only under
-``TRITON_INTERPRET=1``).
+``backend``:
+- "auto": Triton for CUDA tensors; on CPU "cpu" when the native kernel builds here, else "torch".
+- "torch": vectorized torch (gather + SDPA per group of sequences); runs anywhere.
+- "cpu": the torch path, with short queries (decode, speculative verification) computed by a native C
+  kernel that reads the pool in place (``cpu_attention.py``).
+- "triton": the Triton kernels (on CPU only under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -10,9 +14,10 @@ import os
 
 import torch
 
+from hf_paged.kernels import cpu_attention
 from hf_paged.kernels.torch_attention import TorchAttentionPlan, paged_attention_torch, store_kv_torch
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -20,7 +25,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if _triton_available() else "torch"
+        return "cpu" if device.type == "cpu" and cpu_attention.available() else "torch"
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on CPU tensors, got device {device}")
+        if not cpu_attention.available():
+            raise RuntimeError(
+                "attention_backend='cpu' needs its native kernel, which could not be built here (no working C "
+                "compiler with OpenMP, or HF_PAGED_NO_NATIVE=1); use 'torch'"
+            )
     if backend == "triton":
         if not _triton_available():
             raise ImportError("attention_backend='triton' needs the triton package: pip install 'hf-paged[triton]'")
@@ -41,10 +56,11 @@ def _triton_available() -> bool:
 
 
 def _triton_ops():
+    # imported on first use: the package imports without triton (resolve_backend has checked it is there)
     try:
         from hf_paged.kernels import triton_attention
-    except ImportError as e:  # the Triton kernels land in their own issue
-        raise NotImplementedError(f"the Triton backend is not available: {e}") from e
+    except ImportError as e:
+        raise ImportError(f"the Triton backend failed to import ({e}); pip install 'hf-paged[triton]'") from e
     return triton_attention
 
 
@@ -71,7 +87,7 @@ def store_kv(
         k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
         v_cache: same shape as ``k_cache``, written in place.
         slot_mapping: ``[num_tokens]`` int32/int64, ``block_id * block_size + offset``; -1 skips the token.
-        backend: "auto", "torch" or "triton".
+        backend: "auto", "torch", "cpu" or "triton".
     """
     _check_cache("k_cache", k_cache, key)
     if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]:
@@ -120,8 +136,8 @@ def paged_attention(
         scale: softmax scale applied to ``q @ k``.
         sliding_window: with window W a query at position p sees keys p-W+1 .. p (HF convention).
         softcap: ``scores = softcap * tanh(scores / softcap)`` before masking.
-        backend: "auto", "torch" or "triton".
-        plan: precomputed per-step indices for the torch backend (built here when None).
+        backend: "auto", "torch", "cpu" or "triton".
+        plan: precomputed per-step indices for the torch and cpu backends (built here when None).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in the query's dtype.
@@ -136,10 +152,15 @@ def paged_attention(
             f"expected block_tables [num_seqs, max_blocks] and cu_seqlens_q [num_seqs + 1], got "
             f"{tuple(block_tables.shape)} and {tuple(cu_seqlens_q.shape)} for {seq_lens.shape[0]} sequences"
         )
-    if resolve_backend(backend, query.device) == "triton":
+    resolved = resolve_backend(backend, query.device)
+    if resolved == "triton":
         return _triton_ops().paged_attention_triton(
             query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
             scale, sliding_window, softcap,
+        )
+    if plan is None and resolved == "cpu" and cpu_attention.supports(query, k_cache):
+        plan = TorchAttentionPlan.build(
+            block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1], native_max_q=cpu_attention.MAX_Q
         )
     return paged_attention_torch(
         query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,

@@ -14,6 +14,7 @@ step in a :class:`TorchAttentionPlan` and reused by every layer.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -75,7 +76,12 @@ class _Group:
 
 
 class TorchAttentionPlan:
-    """Per-step gather indices and masks for :func:`paged_attention_torch`, shared by all layers."""
+    """Per-step gather indices and masks for :func:`paged_attention_torch`, shared by all layers.
+
+    With ``native_max_q > 0`` the sequences with at most that many query tokens (decodes, speculative
+    verification) are left to the native CPU kernel, which reads the pool in place; the plan then keeps
+    int32 copies of the metadata it needs.
+    """
 
     # A sequence with more query tokens than this gets a group of its own (long prefill chunks), the rest
     # are grouped by power-of-two query length.
@@ -88,18 +94,31 @@ class TorchAttentionPlan:
         q_lens: list[int],
         block_size: int,
         num_tokens: int,
+        native_max_q: int = 0,
+        seq_lens_t: torch.Tensor | None = None,
+        cu_seqlens_q_t: torch.Tensor | None = None,
     ) -> None:
         device = block_tables.device
         self.block_size = block_size
         self.num_tokens = num_tokens
+        self.native_seq_ids: torch.Tensor | None = None
+        self.native_max_q = 0
         q_starts = [0] * len(q_lens)
         acc = 0
         for s, n in enumerate(q_lens):
             q_starts[s] = acc
             acc += n
         buckets: dict[int, list[int]] = {}
+        native = [s for s, n in enumerate(q_lens) if 0 < n <= native_max_q]
+        if native:
+            self.native_seq_ids = torch.tensor(native, dtype=torch.int32, device=device)
+            self.native_max_q = max(q_lens[s] for s in native)
+            self.block_tables_i32 = block_tables.to(torch.int32).contiguous()
+            as_i32 = lambda t, values: (t if t is not None else torch.tensor(values)).to(device, torch.int32).contiguous()  # noqa: E731
+            self.seq_lens_i32 = as_i32(seq_lens_t, seq_lens)
+            self.cu_seqlens_q_i32 = as_i32(cu_seqlens_q_t, [0, *itertools.accumulate(q_lens)])
         for s, n in enumerate(q_lens):
-            if n == 0:
+            if n == 0 or n <= native_max_q:
                 continue
             key = n if n > self.GROUP_MAX_Q else _next_pow2(n)
             if n > self.GROUP_MAX_Q:
@@ -141,11 +160,12 @@ class TorchAttentionPlan:
 
     @classmethod
     def build(
-        cls, block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, block_size: int
+        cls, block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, block_size: int,
+        native_max_q: int = 0,
     ) -> TorchAttentionPlan:
         cu = cu_seqlens_q.tolist()
         q_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
-        return cls(block_tables, seq_lens.tolist(), q_lens, block_size, cu[-1])
+        return cls(block_tables, seq_lens.tolist(), q_lens, block_size, cu[-1], native_max_q, seq_lens, cu_seqlens_q)
 
 
 def _attend_group(
@@ -205,6 +225,14 @@ def paged_attention_torch(
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     T, H, D = query.shape
     out = None
+    if plan.native_seq_ids is not None:
+        from hf_paged.kernels.cpu_attention import paged_attention_native
+
+        out = query.new_empty(T, H, D)
+        paged_attention_native(
+            query, k_cache, v_cache, plan.block_tables_i32, plan.seq_lens_i32, plan.cu_seqlens_q_i32,
+            plan.native_seq_ids, out, scale, sliding_window, softcap, plan.native_max_q,
+        )
     for g in plan.groups:
         G = len(g.seq_ids)
         slots = g.kv_slots.view(-1)
@@ -215,7 +243,7 @@ def paged_attention_torch(
         else:
             q = query.index_select(0, g.q_rows).view(G, g.max_q, H, D)
         res = _attend_group(g, q, k, v, scale, sliding_window, softcap)
-        if g.q_rows is None:
+        if g.q_rows is None and out is None:
             return res.reshape(T, H, D)
         if out is None:
             out = query.new_zeros(T, H, D)
