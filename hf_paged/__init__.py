@@ -2,9 +2,15 @@
 
 from hf_paged.config import EngineConfig
 from hf_paged.generator import PagedGenerator
+from hf_paged.hf.paged_cache import PagedCache
+from hf_paged.hf.pipeline import pipeline
+from hf_paged.hf.wrap import unwrap, wrap
 from hf_paged.outputs import RequestOutput
 from hf_paged.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["EngineConfig", "PagedGenerator", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "EngineConfig", "PagedCache", "PagedGenerator", "RequestOutput", "SamplingParams", "__version__", "pipeline", "unwrap",
+    "wrap",
+]

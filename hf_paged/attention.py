@@ -53,10 +53,19 @@ class AttentionMetadata:
 
 @dataclass
 class KVLayoutProbe:
-    """Passed instead of metadata in one tiny forward to learn each layer's K/V shape and dtype."""
+    """Passed instead of metadata in one tiny forward to learn each layer's K/V shape and dtype.
+
+    ``layers[i] = (num_kv_heads, head_dim, dtype)``, where head_dim is the larger of the key and value
+    head sizes (they differ in multi-head latent attention: DeepSeek V2/V3, MiniCPM3). It also notes what
+    the paged kernels cannot serve: attention sinks, and layers that call the attention function more than
+    once per forward (each call would overwrite the layer's one KV pool).
+    """
 
     layers: dict[int, tuple[int, int, torch.dtype]] = field(default_factory=dict)
     unindexed: int = 0
+    calls: dict[int, int] = field(default_factory=dict)
+    modules: dict[int, str] = field(default_factory=dict)  # layer_idx -> attention module class name
+    sinks: set[str] = field(default_factory=set)  # class names of modules that pass attention sinks (s_aux)
 
 
 @contextlib.contextmanager
@@ -66,6 +75,10 @@ def engine_forward() -> Iterator[None]:
         yield
     finally:
         _ENGINE_FORWARD.reset(token)
+
+
+def engine_forward_active() -> bool:
+    return _ENGINE_FORWARD.get()
 
 
 def _original_impl(config) -> str:
@@ -96,7 +109,7 @@ def paged_attention_forward(
     meta = kwargs.get(METADATA_KWARG)
     if not isinstance(meta, AttentionMetadata):
         if isinstance(meta, KVLayoutProbe):
-            _record_layout(meta, module, key)
+            _record_layout(meta, module, key, value, kwargs)
         kwargs.pop(METADATA_KWARG, None)
         return _fallback_attention(module)(module, query, key, value, attention_mask, **kwargs)
 
@@ -111,7 +124,13 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)  # [T, KVH, D]
     v = value[0].transpose(0, 1)
-    if meta.backend == "torch":
+    value_dim = v.shape[-1]
+    if k.shape[-1] != value_dim:
+        # Multi-head latent attention: the pool holds K and V at the larger size. Zero columns in q and k
+        # leave every score unchanged; zero columns in v only add output columns, cut off below.
+        size = k_cache.shape[-1]
+        q, k, v = (torch.nn.functional.pad(x, (0, size - x.shape[-1])) for x in (q, k, v))
+    if meta.backend in ("torch", "cpu"):
         kernels.store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping, has_padding=meta.has_padding)
     else:
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
@@ -131,15 +150,37 @@ def paged_attention_forward(
         backend=meta.backend,
         plan=meta.torch_plan,
     )
+    if out.shape[-1] != value_dim:
+        out = out[..., :value_dim]
     return out.unsqueeze(0), None
 
 
-def _record_layout(probe: KVLayoutProbe, module: torch.nn.Module, key: torch.Tensor) -> None:
+def _record_layout(
+    probe: KVLayoutProbe, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, kwargs: dict
+) -> None:
+    if kwargs.get("s_aux") is not None:
+        probe.sinks.add(type(module).__name__)
     layer_idx = getattr(module, "layer_idx", None)
     if layer_idx is None:
         probe.unindexed += 1
-    else:
-        probe.layers[layer_idx] = (key.shape[1], key.shape[-1], key.dtype)
+        return
+    assert key.shape[1] == value.shape[1], f"{type(module).__name__}: K and V head counts differ"
+    probe.layers[layer_idx] = (key.shape[1], max(key.shape[-1], value.shape[-1]), key.dtype)
+    probe.calls[layer_idx] = probe.calls.get(layer_idx, 0) + 1
+    probe.modules[layer_idx] = type(module).__name__
+
+
+def chunked_attention_size(model: torch.nn.Module) -> int | None:
+    """Chunk size of a model with chunked local attention layers (Llama 4), else None.
+
+    Such a layer attends only within fixed chunks of the sequence; the paged kernels have no chunked mask,
+    so the engine is exact only for sequences no longer than one chunk (where it equals causal attention).
+    """
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    size = getattr(cfg, "attention_chunk_size", None)
+    if size and "chunked_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return int(size)
+    return None
 
 
 def paged_mask(*args, **kwargs):

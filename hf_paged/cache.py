@@ -33,18 +33,38 @@ def probe_kv_layout(model: torch.nn.Module) -> list[LayerKVSpec]:
     device = next(model.parameters()).device
     with torch.inference_mode():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, **{METADATA_KWARG: probe})
+    _check_probe(model, probe)
+    return [LayerKVSpec(*probe.layers[i]) for i in range(max(probe.layers) + 1)]
+
+
+def _check_probe(model: torch.nn.Module, probe: KVLayoutProbe) -> None:
+    """Raise NotImplementedError, naming the class, for what the paged engine cannot serve exactly."""
+    name = type(model).__name__
     if probe.unindexed:
-        raise NotImplementedError(f"{type(model).__name__} has attention modules without layer_idx")
+        raise NotImplementedError(f"{name} has attention modules without layer_idx")
     if not probe.layers:
         raise NotImplementedError(
-            f"{type(model).__name__} does not pass keyword arguments through to its attention function; "
+            f"{name} does not pass keyword arguments through to its attention function; "
             "hf_paged needs that to hand each layer its paged metadata"
         )
-    n = max(probe.layers) + 1
+    if probe.sinks:
+        raise NotImplementedError(f"{sorted(probe.sinks)[0]} uses attention sinks, which hf_paged does not support yet")
+    repeated = sorted(i for i, n in probe.calls.items() if n > 1)
+    if repeated:
+        raise NotImplementedError(
+            f"{name}: {probe.modules[repeated[0]]} calls the attention function {probe.calls[repeated[0]]} times "
+            "per layer (e.g. differential attention); hf_paged keeps one KV pool per layer and supports one call"
+        )
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_layers = getattr(cfg, "num_hidden_layers", None)
+    n = max(max(probe.layers) + 1, num_layers or 0)
     missing = sorted(set(range(n)) - set(probe.layers))
     if missing:
-        raise NotImplementedError(f"{type(model).__name__}: attention layers {missing} never ran in the probe forward")
-    return [LayerKVSpec(*probe.layers[i]) for i in range(n)]
+        raise NotImplementedError(
+            f"{name}: decoder layers {missing} do not call the attention function (recurrent, convolution or "
+            "state-space layers, as in hybrid models); their per-sequence state is not paged, hf_paged "
+            "supports models whose every layer is attention"
+        )
 
 
 def kv_bytes_per_token(specs: list[LayerKVSpec]) -> int:
@@ -80,6 +100,13 @@ class KVPool:
             self.kv_caches.append(
                 (torch.empty(shape, dtype=spec.dtype, device=device), torch.empty(shape, dtype=spec.dtype, device=device))
             )
+
+    def supports_native(self) -> bool:
+        """Whether the native CPU attention kernel can read this pool (CPU, fp32/bf16/fp16, contiguous)."""
+        return all(
+            k.device.type == "cpu" and k.dtype in (torch.float32, torch.bfloat16, torch.float16) and k.is_contiguous()
+            for k, _ in self.kv_caches
+        )
 
     @property
     def num_layers(self) -> int:

@@ -14,12 +14,13 @@ from hf_paged.cache import KVPool, decide_num_blocks, probe_kv_layout
 from hf_paged.config import EngineConfig
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
-from hf_paged.kernels import resolve_backend
-from hf_paged.outputs import IncrementalDetokenizer, RequestOutput
+from hf_paged.kernels import packed_linear, resolve_backend
+from hf_paged.kernels.packed_linear import PackedLinears
+from hf_paged.outputs import IncrementalDetokenizer, RequestOutput, StopStringChecker
 from hf_paged.runner import ModelRunner
 from hf_paged.sampling import Sampler
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.sequence import Request
+from hf_paged.sequence import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +62,14 @@ class PagedGenerator:
             cfg.enable_chunked_prefill,
         )
         self.sampler = Sampler(self.device, cfg.seed)
+        self.packed = self._maybe_prepack()
         self.runner = ModelRunner(model, self.pool, self.backend, self.sampler)
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._pending: list[RequestOutput] = []  # aborted outputs, reported by the next step()
+        self._stop_checkers: dict[str, StopStringChecker] = {}
         self.num_steps = 0
 
     def _build_pool(self) -> None:
@@ -76,6 +79,14 @@ class PagedGenerator:
         cfg = self.config
         specs = probe_kv_layout(model)
         model_max = _max_positions(model)
+        chunk = attention.chunked_attention_size(model)
+        if chunk is not None:  # exact only up to one attention chunk (Llama 4): cap the length there
+            if cfg.max_model_len is not None and cfg.max_model_len > chunk:
+                raise NotImplementedError(
+                    f"max_model_len={cfg.max_model_len} exceeds the attention chunk ({chunk} tokens) of "
+                    f"{type(model).__name__}; hf_paged has no chunked attention mask, so it serves at most one chunk"
+                )
+            model_max = min(model_max or chunk, chunk)
         want_len = cfg.max_model_len or model_max or 4096
         num_blocks = decide_num_blocks(
             specs, cfg.block_size, self.device, cfg.num_blocks, cfg.kv_cache_memory,
@@ -101,6 +112,19 @@ class PagedGenerator:
             num_blocks, cfg.block_size, capacity, self.pool.total_bytes / 2**20, len(specs), self.max_model_len,
         )
 
+    def _maybe_prepack(self) -> PackedLinears | None:
+        want = self.config.prepack_weights
+        if want is None:
+            want = self.device.type == "cpu" and self.pool.kv_caches[0][0].dtype == torch.float32
+        if not want:
+            return None
+        if not packed_linear.available():
+            if self.config.prepack_weights:
+                raise RuntimeError("prepack_weights=True needs torch built with MKL (its packed sgemm API)")
+            return None
+        packed = PackedLinears(self.model, attention.engine_forward_active)
+        return packed if len(packed) else None
+
     # -- intake -------------------------------------------------------------------------------------
     def _token_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -125,7 +149,9 @@ class PagedGenerator:
                 raise ValueError(f"token id {tok} is outside the vocabulary [0, {self.vocab_size})")
         return ids, text
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Request:
+    def _make_request(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, tokenizer=None
+    ) -> Request:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -133,15 +159,24 @@ class PagedGenerator:
         rid = str(next(self._ids)) if request_id is None else request_id
         if not isinstance(rid, str):
             raise TypeError(f"request_id must be a str, got {rid!r}")
+        if params.stop and (tokenizer or self.tokenizer) is None:
+            raise ValueError(f"stop strings {params.stop!r} need a tokenizer: pass tokenizer= to the engine")
         request = Request(rid, ids, params, self.eos_token_ids, self.max_model_len, prompt=text)
         self.scheduler.check_request(request)
         return request
+
+    def _admit(self, request: Request, tokenizer=None) -> None:
+        self.scheduler.add_request(request)
+        if request.sampling_params.stop:
+            self._stop_checkers[request.request_id] = StopStringChecker(
+                tokenizer or self.tokenizer, request.sampling_params.stop, request.prompt_token_ids
+            )
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one request; returns its id. Bad input raises ValueError/TypeError and changes nothing."""
         with self._lock:
             request = self._make_request(prompt, sampling_params, request_id)
-            self.scheduler.add_request(request)
+            self._admit(request)
             return request.request_id
 
     def abort(self, request_id: str) -> bool:
@@ -150,6 +185,7 @@ class PagedGenerator:
             request = self.scheduler.abort_request(request_id)
             if request is None:
                 return False
+            self._stop_checkers.pop(request_id, None)
             self._pending.append(self._output(request))
             return True
 
@@ -169,10 +205,32 @@ class PagedGenerator:
                 return pending
             sampled = self.runner.execute(out)
             changed = self.scheduler.update(out, sampled)
+            if self._stop_checkers:
+                self._check_stop_strings(changed)
             self.num_steps += 1
             return pending + [self._output(r) for r in changed]
 
+    def _check_stop_strings(self, changed: list[Request]) -> None:
+        for request in changed:
+            checker = self._stop_checkers.get(request.request_id)
+            if checker is None:
+                continue
+            stop = checker.update(request.output_token_ids)
+            if stop is not None:
+                request.stop_str = stop
+                if request.is_finished:  # the same token also hit max_tokens: the stop string wins
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if request.is_finished:
+                del self._stop_checkers[request.request_id]
+
     def _output(self, request: Request) -> RequestOutput:
+        text = None
+        if request.stop_str is not None and self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            cut = text.find(request.stop_str)
+            text = text[:cut] if cut >= 0 else text
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -182,6 +240,7 @@ class PagedGenerator:
             first_token_time=request.first_token_time,
             finish_time=request.finish_time,
             prompt=request.prompt,
+            _text=text,
             _tokenizer=self.tokenizer,
         )
 
@@ -209,7 +268,7 @@ class PagedGenerator:
         with self._lock:
             requests = [self._make_request(p, sp, None) for p, sp in zip(prompt_list, params_list)]
             for request in requests:
-                self.scheduler.add_request(request)
+                self._admit(request)
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, unit="req")
@@ -237,9 +296,11 @@ class PagedGenerator:
         """
         with self._lock:
             request = self._make_request(prompt, sampling_params, request_id)
-            self.scheduler.add_request(request)
+            self._admit(request)
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        sent = 0
+        # Text that could still turn out to be the start of a stop string is held back until it cannot.
+        hold = max((len(s) - 1 for s in request.sampling_params.stop or ()), default=0)
+        sent = emitted = 0
         try:
             while True:
                 if not request.is_finished:
@@ -250,7 +311,14 @@ class PagedGenerator:
                 sent += len(new)
                 delta = None
                 if detok is not None:
-                    delta = detok.add(new) + (detok.finish() if request.is_finished else "")
+                    detok.add(new)
+                    if request.is_finished:
+                        detok.finish()
+                        final = self._output(request).text if request.stop_str else detok.text
+                        delta = final[emitted:]
+                    else:
+                        safe = max(emitted, len(detok.text) - hold)
+                        delta, emitted = detok.text[emitted:safe], safe
                 yield RequestOutput(
                     request_id=request.request_id,
                     prompt_token_ids=request.prompt_token_ids,
@@ -274,6 +342,9 @@ class PagedGenerator:
             for rid in list(self.scheduler.requests):
                 self.abort(rid)
             attention.disable(self.model, self._previous_attn)
+            if self.packed is not None:
+                self.packed.remove()
+                self.packed = None
             self.pool.kv_caches.clear()
 
 

@@ -85,3 +85,38 @@ class IncrementalDetokenizer:
             self.text = full
             return delta
         return ""
+
+
+class StopStringChecker:
+    """Finds the first stop string completed by a request's newest tokens.
+
+    Like HF's ``StopStringCriteria`` a match counts once it ends inside the new text, even if it starts in
+    the prompt's last tokens or the last token carries text past it. Special tokens are decoded, so a stop
+    string may name one.
+    """
+
+    PROMPT_TAIL = 8  # prompt tokens decoded ahead of the output, for matches that start in the prompt
+
+    def __init__(self, tokenizer, stops: list[str], prompt_token_ids: list[int]) -> None:
+        self.stops = stops
+        self.longest = max(len(s) for s in stops)
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+        self._detok.add(prompt_token_ids[-self.PROMPT_TAIL :])
+        self._checked = len(self._detok.text)
+        self._seen = 0
+
+    def update(self, output_token_ids: list[int]) -> str | None:
+        new = output_token_ids[self._seen :]
+        self._seen = len(output_token_ids)
+        self._detok.add(new)
+        text = self._detok.text
+        start = max(0, self._checked - self.longest + 1)
+        window = text[start:]
+        for stop in self.stops:
+            i = window.find(stop)
+            while i >= 0:
+                if start + i + len(stop) > self._checked:
+                    return stop
+                i = window.find(stop, i + 1)
+        self._checked = len(text)
+        return None

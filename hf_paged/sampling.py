@@ -48,10 +48,12 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        self._seen: dict[str, tuple[torch.Tensor, int]] = {}  # repetition penalty: token mask, outputs counted
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._request_generators.pop(rid, None)
+            self._seen.pop(rid, None)
 
     def _generator(self, request: Request) -> torch.Generator | None:
         seed = request.sampling_params.seed
@@ -64,6 +66,34 @@ class Sampler:
             self._request_generators[request.request_id] = gen
         return gen
 
+    def _seen_mask(self, request: Request, vocab: int) -> torch.Tensor:
+        """[V] bool: tokens of the prompt and output so far (kept per request, updated incrementally)."""
+        entry = self._seen.get(request.request_id)
+        if entry is None:
+            mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+            ids = [t for t in set(request.prompt_token_ids) if 0 <= t < vocab]
+            mask[ids] = True
+            entry = (mask, 0)
+        mask, counted = entry
+        new = request.output_token_ids[counted:]
+        if new:
+            mask[new] = True
+        self._seen[request.request_id] = (mask, len(request.output_token_ids))
+        return mask
+
+    def _apply_repetition_penalty(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.repetition_penalty != 1.0]
+        if not rows:
+            return
+        vocab = logits.shape[-1]
+        idx = torch.tensor(rows, device=logits.device)
+        seen = torch.stack([self._seen_mask(requests[i], vocab) for i in rows])
+        penalty = torch.tensor([requests[i].sampling_params.repetition_penalty for i in rows], device=logits.device)[:, None]
+        sub = logits.index_select(0, idx)
+        # HF's RepetitionPenaltyLogitsProcessor: shrink the logits of every token already seen
+        penalized = torch.where(sub < 0, sub * penalty, sub / penalty)
+        logits.index_copy_(0, idx, torch.where(seen, penalized, sub))
+
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         """Pick one token per row of ``logits [N, V]`` for ``requests[i]``."""
         logits = logits.float()
@@ -72,10 +102,13 @@ class Sampler:
             if not req.stop_tokens_allowed and req.stop_token_ids:
                 banned = [t for t in req.stop_token_ids if t < vocab]
                 logits[i, banned] = float("-inf")
+        self._apply_repetition_penalty(logits, requests)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if not random_rows:
+            _capture_scores(logits, requests, range(len(requests)))
             return logits.argmax(dim=-1).tolist()
         tokens = logits.argmax(dim=-1)
+        _capture_scores(logits, requests, (i for i, r in enumerate(requests) if r.sampling_params.greedy))
         sub_reqs = [requests[i] for i in random_rows]
         rows = torch.tensor(random_rows, device=logits.device)
         sub = logits.index_select(0, rows)
@@ -91,6 +124,7 @@ class Sampler:
             sub = apply_top_k_top_p(sub, top_k, top_p)
         if any(p.min_p > 0 for p in params):
             sub = apply_min_p(sub, torch.tensor([p.min_p for p in params], device=logits.device))
+        _capture_scores(sub, sub_reqs, range(len(sub_reqs)))
         probs = sub.softmax(dim=-1)
         noise = torch.empty_like(probs)
         unseeded = []
@@ -105,3 +139,10 @@ class Sampler:
             noise.index_copy_(0, idx, torch.empty(len(unseeded), vocab, device=logits.device).exponential_(generator=self.generator))
         tokens.index_copy_(0, rows, (probs / noise).argmax(dim=-1))
         return tokens.tolist()
+
+
+def _capture_scores(processed: torch.Tensor, requests: Sequence[Request], rows: Iterable[int]) -> None:
+    """Keep the processed logits row of requests that asked for them (HF ``output_scores``)."""
+    for i in rows:
+        if requests[i].scores is not None:
+            requests[i].scores.append(processed[i].clone())

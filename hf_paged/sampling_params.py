@@ -36,6 +36,10 @@ class SamplingParams:
         stop_token_ids: Extra token ids that end the request (the token is kept in the output).
         ignore_eos: Do not stop at the model's end-of-sequence token(s).
         min_tokens: Stop tokens (EOS and ``stop_token_ids``) cannot be produced before this many tokens.
+        repetition_penalty: Divide positive (multiply negative) logits of every token already in the prompt
+            or the output by this (HF semantics); 1.0 disables, > 0.
+        stop: Strings that end the request when the generated text contains one; ``RequestOutput.text``
+            stops before it (the tokens are kept). Needs a tokenizer.
     """
 
     max_tokens: int = 16
@@ -47,6 +51,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = field(default=None)
     ignore_eos: bool = False
     min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    stop: list[str] | None = field(default=None)
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -71,6 +77,18 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        if self.stop is not None:
+            if isinstance(self.stop, str):
+                self.stop = [self.stop]
+            if isinstance(self.stop, bytes) or not hasattr(self.stop, "__iter__"):
+                raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            self.stop = list(self.stop)
+            for text in self.stop:
+                if not isinstance(text, str) or not text:
+                    raise ValueError(f"stop strings must be non-empty str, got {text!r}")
 
     @property
     def greedy(self) -> bool:

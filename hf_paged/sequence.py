@@ -66,6 +66,9 @@ class Request:
             stop |= set(eos_token_ids)
         self.stop_token_ids = frozenset(stop)
         self.max_model_len = max_model_len
+        # When a list, the sampler appends each step's processed logits row (for HF's output_scores).
+        self.scores: list | None = None
+        self.stop_str: str | None = None  # the stop string that ended the request, if any
 
     # -- sizes --------------------------------------------------------------------------------------
     @property

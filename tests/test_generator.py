@@ -49,6 +49,17 @@ def test_greedy_parity_with_stock_generate(arch, block_size, engine_kw):
     engine.close()
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_greedy_parity_per_attention_backend(arch, backend):
+    prompts, want = reference(arch)
+    engine = PagedGenerator(make_model(arch), block_size=8, num_blocks=1500, max_num_batched_tokens=64,
+                            attention_backend=backend)
+    assert engine.backend == backend
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)] == want
+    engine.close()
+
+
 def test_sliding_window_matters_in_the_mistral_case():
     """Guard for the parity test above: with a full window the long prompts would decode differently."""
     prompts, want = reference("mistral")

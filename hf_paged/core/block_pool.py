@@ -62,6 +62,18 @@ class BlockPool:
             assert block.ref_cnt > 0, f"incref on free block {block.block_id}"
             block.ref_cnt += 1
 
+    def grow(self, n: int) -> None:
+        """Add ``n`` free blocks, ids ``num_blocks .. num_blocks + n - 1``, at the tail of the free queue.
+
+        For owners whose storage can grow (``PagedCache``); the engine's pool is sized once.
+        """
+        if n < 1:
+            raise ValueError(f"grow needs n >= 1, got {n}")
+        start = self.num_blocks
+        self.blocks.extend(KVCacheBlock(i) for i in range(start, start + n))
+        self._free.extend(range(start, start + n))
+        self.num_blocks += n
+
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference to each block; blocks reaching 0 go to the tail of the free queue in order."""
         for block in blocks:

@@ -108,6 +108,11 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> Request | None:
         """Finish a request as aborted and free its blocks; None if it is unknown or already finished."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish a live request with ``status`` (e.g. a stop string the engine matched) and free its blocks."""
+        assert status.finished, f"{status} is not a finished status"
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -115,7 +120,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finish(request, status)
         return request
 
     def has_unfinished_requests(self) -> bool:

@@ -1,0 +1,288 @@
+"""An HF-compatible ``generate`` that runs every row of the batch through the paged engine.
+
+It accepts what stock ``GenerationMixin.generate`` accepts for decoder-only LMs and returns the stock layout
+(prompt + generated, ``pad_token_id`` after EOS). What the engine cannot honour falls back to stock
+``generate`` (with a :class:`~hf_paged.PagedCache` for beam search) after a one-time warning, never a
+silently different result.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+
+from hf_paged.sampling_params import SamplingParams
+from hf_paged.sequence import Request
+
+logger = logging.getLogger(__name__)
+
+# Generation-config fields the engine honours; any other field away from its default means fallback.
+SUPPORTED_FIELDS = {
+    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+    "min_p", "repetition_penalty", "num_return_sequences", "eos_token_id", "pad_token_id", "bos_token_id",
+    "stop_strings", "return_dict_in_generate", "output_scores", "use_cache", "num_beams", "early_stopping",
+    "length_penalty", "cache_implementation", "cache_config", "decoder_start_token_id", "generation_kwargs",
+    "compile_config", "disable_compile", "_from_model_config", "transformers_version", "_commit_hash",
+    "_original_object_hash", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "is_assistant",
+}
+SUPPORTED_MODEL_KWARGS = {"attention_mask", "tokenizer", "use_cache"}
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+@dataclass
+class _Row:
+    request: Request
+    source: int  # input row it came from
+
+
+def paged_generate(
+    self,
+    inputs: torch.Tensor | None = None,
+    generation_config: GenerationConfig | None = None,
+    logits_processor=None,
+    stopping_criteria=None,
+    prefix_allowed_tokens_fn=None,
+    synced_gpus: bool | None = None,
+    assistant_model=None,
+    streamer=None,
+    negative_prompt_ids: torch.Tensor | None = None,
+    negative_prompt_attention_mask: torch.Tensor | None = None,
+    custom_generate=None,
+    **kwargs,
+):
+    """Stock ``generate`` signature; all rows run as one continuous batch in ``self.paged``.
+
+    Returns ``LongTensor [batch * num_return_sequences, prompt_width + new]`` or, with
+    ``return_dict_in_generate``, a ``GenerateDecoderOnlyOutput`` (``scores`` when ``output_scores``).
+    """
+    stock_args = dict(
+        inputs=inputs, generation_config=generation_config, logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+        synced_gpus=synced_gpus, assistant_model=assistant_model, streamer=streamer,
+        negative_prompt_ids=negative_prompt_ids, negative_prompt_attention_mask=negative_prompt_attention_mask,
+        custom_generate=custom_generate, **kwargs,
+    )
+    reasons = [name for name in _CALLABLE_ARGS if _given(stock_args.get(name))]
+    gen_cfg, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+    reasons += _unsupported_fields(self, gen_cfg)
+    input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
+    reasons += [f"model kwarg {k!r}" for k in model_kwargs if k not in SUPPORTED_MODEL_KWARGS]
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (1, 2) or input_ids.is_floating_point():
+        reasons.append("inputs other than input_ids")
+    elif getattr(self.config, "is_encoder_decoder", False):
+        reasons.append("encoder-decoder models")
+    if gen_cfg.do_sample and not (gen_cfg.temperature or 0) > 0:
+        reasons.append("temperature <= 0 with do_sample")  # stock raises the proper error
+    if not gen_cfg.do_sample and (gen_cfg.num_return_sequences or 1) > 1 and (gen_cfg.num_beams or 1) == 1:
+        reasons.append("num_return_sequences > 1 without sampling")  # stock raises the proper error
+    if reasons:
+        return _fallback(self, reasons, stock_args, gen_cfg)
+
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    width = input_ids.shape[1]
+    max_new = gen_cfg.max_new_tokens if gen_cfg.max_new_tokens is not None else gen_cfg.max_length - width
+    if max_new <= 0:
+        return _fallback(self, [f"no room for new tokens (max_new_tokens={max_new})"], stock_args, gen_cfg)
+    rows = _make_rows(self, gen_cfg, model_kwargs, input_ids, max_new)
+    engine = self.paged
+    lockstep = _LockstepStreamer(streamer, [r.request for r in rows], _pad_id(gen_cfg)) if streamer else None
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    try:
+        with engine._lock:
+            for row in rows:
+                engine._admit(row.request, tokenizer=model_kwargs.get("tokenizer"))
+        while not all(r.request.is_finished for r in rows):
+            engine.step()
+            if lockstep is not None:
+                lockstep.flush()
+    finally:
+        for r in rows:
+            if not r.request.is_finished:
+                engine.abort(r.request.request_id)
+    if lockstep is not None:
+        lockstep.flush(final=True)
+        streamer.end()
+    return _assemble(gen_cfg, input_ids, rows)
+
+
+def _given(value) -> bool:
+    if value is None or value is False:
+        return False
+    return not (isinstance(value, (list, tuple)) and len(value) == 0)
+
+
+_CALLABLE_ARGS = {
+    "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model",
+    "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate",
+}
+
+
+def _unsupported_fields(model, gen_cfg: GenerationConfig) -> list[str]:
+    defaults = {**GenerationConfig().to_dict(), **model.generation_config._get_default_generation_params()}
+    out = []
+    for key, value in gen_cfg.to_dict().items():
+        # a falsy value (None, False, 0, empty) switches the corresponding processor off
+        if key in SUPPORTED_FIELDS or not value or value == defaults.get(key):
+            continue
+        out.append(key)
+    if (gen_cfg.num_beams or 1) > 1:
+        out.append("num_beams")
+    return out
+
+
+def _fallback(model, reasons: list[str], stock_args: dict, gen_cfg: GenerationConfig):
+    key = ",".join(sorted(reasons))
+    beams = (gen_cfg.num_beams or 1) > 1
+    use_cache = beams and stock_args.get("past_key_values") is None and gen_cfg.use_cache is not False
+    _warn_once(
+        key,
+        f"hf_paged: {', '.join(reasons)} not supported by the paged engine; running stock generate"
+        + (" with a PagedCache" if use_cache else "") + " instead.",
+    )
+    if use_cache:
+        from hf_paged.hf.paged_cache import PagedCache
+
+        stock_args["past_key_values"] = PagedCache(model)
+    return GenerationMixin.generate(model, **stock_args)
+
+
+def _pad_id(gen_cfg: GenerationConfig) -> int:
+    if gen_cfg.pad_token_id is not None:
+        return int(gen_cfg.pad_token_id)
+    eos = _as_list(gen_cfg.eos_token_id)
+    return eos[0] if eos else 0
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    if isinstance(x, torch.Tensor):
+        return [int(v) for v in x.flatten().tolist()]
+    return [int(x)] if isinstance(x, int) else [int(v) for v in x]
+
+
+def _attention_mask(gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: torch.Tensor) -> torch.Tensor:
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None:
+        if mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
+        return mask.bool()
+    # Stock's inference: pad tokens are masked when pad is set, present, and not also the EOS token.
+    pad, eos = gen_cfg.pad_token_id, _as_list(gen_cfg.eos_token_id)
+    if pad is not None and bool((input_ids == pad).any()) and pad not in eos:
+        return input_ids != pad
+    return torch.ones_like(input_ids, dtype=torch.bool)
+
+
+def _make_rows(model, gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: torch.Tensor, max_new: int) -> list[_Row]:
+    engine = model.paged
+    width = input_ids.shape[1]
+    mask = _attention_mask(gen_cfg, model_kwargs, input_ids).cpu()
+    ids = input_ids.cpu()
+    min_new = max(0, (gen_cfg.min_length or 0) - width, gen_cfg.min_new_tokens or 0)
+    eos = _as_list(gen_cfg.eos_token_id)
+    stop = gen_cfg.stop_strings
+    if stop is not None and model_kwargs.get("tokenizer") is None and engine.tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer: pass tokenizer= to generate (as with stock generate)")
+    n_return = gen_cfg.num_return_sequences or 1
+    sampled = bool(gen_cfg.do_sample)
+    # Seeds drawn from torch's global generator: torch.manual_seed(...) makes a sampled call reproducible,
+    # as it does for stock generate.
+    base_seed = int(torch.randint(0, 2**62, ()).item()) if sampled else None
+    rows = []
+    for b in range(ids.shape[0]):
+        prompt = ids[b][mask[b]].tolist()
+        for k in range(n_return):
+            params = SamplingParams(
+                max_tokens=max_new,
+                temperature=float(gen_cfg.temperature) if sampled else 0.0,
+                top_k=int(gen_cfg.top_k or 0) if sampled else 0,
+                top_p=float(gen_cfg.top_p if gen_cfg.top_p is not None else 1.0) if sampled else 1.0,
+                min_p=float(gen_cfg.min_p or 0.0) if sampled else 0.0,
+                seed=(base_seed + b * n_return + k) % 2**63 if sampled else None,
+                stop_token_ids=eos,
+                ignore_eos=True,  # the engine's own EOS set is replaced by this call's eos_token_id
+                min_tokens=min(min_new, max_new) if eos else 0,
+                repetition_penalty=float(gen_cfg.repetition_penalty or 1.0),
+                stop=[stop] if isinstance(stop, str) else stop,
+            )
+            request = engine._make_request(prompt, params, None, tokenizer=model_kwargs.get("tokenizer"))
+            if gen_cfg.output_scores:
+                request.scores = []
+            rows.append(_Row(request, b))
+    return rows
+
+
+class _LockstepStreamer:
+    """Feeds an HF streamer one ``[batch]`` tensor per step, as stock generate does.
+
+    Rows of the engine can drift apart (chunked prefill, preemption), so column k goes out once every row
+    has produced its k-th token or finished (finished rows contribute the pad token).
+    """
+
+    def __init__(self, streamer, requests: list[Request], pad: int) -> None:
+        self.streamer = streamer
+        self.requests = requests
+        self.pad = pad
+        self.sent = 0
+
+    def flush(self, final: bool = False) -> None:
+        while True:
+            k = self.sent
+            column = []
+            for r in self.requests:
+                if len(r.output_token_ids) > k:
+                    column.append(r.output_token_ids[k])
+                elif r.is_finished:
+                    column.append(self.pad)
+                else:
+                    return
+            if all(len(r.output_token_ids) <= k for r in self.requests):
+                return  # everyone finished before step k
+            self.streamer.put(torch.tensor(column))
+            self.sent += 1
+
+
+def _assemble(gen_cfg: GenerationConfig, input_ids: torch.Tensor, rows: list[_Row]):
+    pad = _pad_id(gen_cfg)
+    outs = [r.request.output_token_ids for r in rows]
+    new = max(len(o) for o in outs)
+    width = input_ids.shape[1]
+    sequences = torch.full((len(rows), width + new), pad, dtype=input_ids.dtype)
+    sources = torch.tensor([r.source for r in rows])
+    sequences[:, :width] = input_ids.cpu().index_select(0, sources)
+    for i, o in enumerate(outs):
+        sequences[i, width : width + len(o)] = torch.tensor(o, dtype=input_ids.dtype)
+    sequences = sequences.to(input_ids.device)
+    if not gen_cfg.return_dict_in_generate:
+        return sequences
+    scores = None
+    if gen_cfg.output_scores:
+        scores = tuple(_score_column(rows, k, pad).to(input_ids.device) for k in range(new))
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores)
+
+
+def _score_column(rows: list[_Row], k: int, pad: int) -> torch.Tensor:
+    """Step k's processed logits; a row that already finished is forced to the pad token (-inf elsewhere)."""
+    first = next(r.request.scores[0] for r in rows if r.request.scores)
+    column = torch.full((len(rows), first.shape[-1]), float("-inf"))
+    for i, r in enumerate(rows):
+        if k < len(r.request.scores):
+            column[i] = r.request.scores[k]
+        else:
+            column[i, pad] = 0.0
+    return column
