@@ -114,16 +114,19 @@ class PagedGenerator:
 
     def _maybe_prepack(self) -> PackedLinears | None:
         want = self.config.prepack_weights
-        if want is None:
-            want = self.device.type == "cpu" and self.pool.kv_caches[0][0].dtype == torch.float32
-        if not want:
+        if want is False or self.device.type != "cpu":
+            if want not in (None, False):
+                raise ValueError(f"prepack_weights={want!r} is for CPU models; this one is on {self.device}")
             return None
-        if not packed_linear.available():
-            if self.config.prepack_weights:
-                raise RuntimeError("prepack_weights=True needs torch built with MKL (its packed sgemm API)")
-            return None
-        packed = PackedLinears(self.model, attention.engine_forward_active)
-        return packed if len(packed) else None
+        kind = want if isinstance(want, str) else "auto"
+        packed = PackedLinears(self.model, attention.engine_forward_active, kind) if packed_linear.available(
+            "any" if kind == "auto" else kind) else None
+        if want is not None and not packed:
+            raise RuntimeError(
+                f"prepack_weights={want!r}: no fp32/bf16 nn.Linear weights this torch build can pack "
+                "(packing needs MKL's packed sgemm for fp32 'mkl', oneDNN for 'onednn' and bf16)"
+            )
+        return packed if packed else None
 
     # -- intake -------------------------------------------------------------------------------------
     def _token_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:

@@ -1,4 +1,4 @@
-"""Pre-packed fp32 linear layers: same results as F.linear, used only inside engine forwards."""
+"""Pre-packed linear layers (MKL fp32, oneDNN fp32/bf16): F.linear's results, used only inside engine forwards."""
 
 import pytest
 import torch
@@ -6,11 +6,13 @@ import torch.nn.functional as F
 
 from hf_paged.attention import engine_forward, engine_forward_active
 from hf_paged.kernels import packed_linear
-from hf_paged.kernels.packed_linear import PackedLinears, PackedWeight
+from hf_paged.kernels.packed_linear import OneDnnPackedWeight, PackedLinears, PackedWeight
 
-pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="torch without MKL's packed sgemm")
+needs_mkl = pytest.mark.skipif(not packed_linear.available("mkl"), reason="torch without MKL's packed sgemm")
+needs_onednn = pytest.mark.skipif(not packed_linear.available("onednn"), reason="torch without oneDNN")
 
 
+@needs_mkl
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 def test_packed_matmul_matches_linear(rows):
     g = torch.Generator().manual_seed(rows)
@@ -22,16 +24,47 @@ def test_packed_matmul_matches_linear(rows):
         assert torch.equal(got, F.linear(x, w))  # the same MKL kernel, without the per-call packing
 
 
-def test_packs_route_engine_forwards_only_and_follow_weight_changes():
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_packed_linear_matches_linear(rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 80, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(rows, 80, generator=g).to(dtype)
+    pack = OneDnnPackedWeight(w)
+    got, want = pack.linear(x, b), F.linear(x, w, b)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)  # F.linear runs the same oneDNN kernel, only without the pre-packing
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert pack.linear(x.view(1, rows, 80), None).shape == (1, rows, 96)  # leading dims kept
+
+
+def test_auto_kind_picks_an_available_packing_per_dtype():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 16).bfloat16())
+    packs = PackedLinears(model, engine_forward_active)
+    assert packs.kinds.get(torch.float32) in {k for k in ("mkl", "onednn") if packed_linear.available(k)}
+    assert packs.kinds.get(torch.bfloat16) == ("onednn" if packed_linear.available("onednn") else None)
+    with pytest.raises(ValueError, match="'mkl' or 'onednn'"):
+        PackedLinears(model, engine_forward_active, kind="blas")
+    packs.remove()
+
+
+@pytest.mark.parametrize("kind", ["mkl", "onednn"])
+def test_packs_route_engine_forwards_only_and_follow_weight_changes(kind):
+    if not packed_linear.available(kind):
+        pytest.skip(f"torch without {kind} packing")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16, bias=False))
     x = torch.randn(70, 32)
     want = model(x).detach()
-    packs = PackedLinears(model, engine_forward_active)
-    assert len(packs) == 2
+    packs = PackedLinears(model, engine_forward_active, kind)
+    assert len(packs) == 2 and packs.kinds == {torch.float32: kind}
     calls = []
-    original = PackedWeight.matmul
-    PackedWeight.matmul = lambda self, t: calls.append(1) or original(self, t)
+    cls = packed_linear._PACKERS[kind]
+    original = cls.linear
+    cls.linear = lambda self, t, b: calls.append(1) or original(self, t, b)
     try:
         with torch.no_grad():
             plain = model(x)
@@ -39,16 +72,29 @@ def test_packs_route_engine_forwards_only_and_follow_weight_changes():
             with engine_forward():
                 engine = model(x)
             assert len(calls) == 2
-        assert torch.equal(plain, want) and torch.equal(engine, want)
+        assert torch.equal(plain, want)
+        torch.testing.assert_close(engine, want, atol=1e-5, rtol=1e-5)
+        if kind == "mkl":
+            assert torch.equal(engine, want)  # the same MKL kernel, without the per-call packing
         with torch.no_grad():
             model[0].weight.mul_(2)  # in-place change: re-packed on next use
             doubled = model(x)
             with engine_forward():
-                assert torch.equal(model(x), doubled)
+                torch.testing.assert_close(model(x), doubled, atol=1e-5, rtol=1e-5)
         with engine_forward():
             y = model(x)  # autograd wanted: falls back to the original forward
         assert y.requires_grad and len(calls) == 4
     finally:
-        PackedWeight.matmul = original
+        cls.linear = original
     packs.remove()
     assert "forward" not in model[0].__dict__ and len(packs) == 0
+
+
+def test_prepack_weights_config_is_validated():
+    from hf_paged.config import EngineConfig
+
+    for bad in ("yes", 1, 0.5, "MKL"):
+        with pytest.raises(ValueError, match="prepack_weights"):
+            EngineConfig(prepack_weights=bad)
+    for good in (None, True, False, "mkl", "onednn"):
+        assert EngineConfig(prepack_weights=good).prepack_weights == good
