@@ -52,6 +52,7 @@ class PagedGenerator:
         self._previous_attn = attention.enable(model)
         try:
             self._build_pool()
+            self.packed = self._maybe_prepack()
         except BaseException:
             attention.disable(model, self._previous_attn)
             raise
@@ -62,7 +63,6 @@ class PagedGenerator:
             cfg.enable_chunked_prefill,
         )
         self.sampler = Sampler(self.device, cfg.seed)
-        self.packed = self._maybe_prepack()
         self.runner = ModelRunner(model, self.pool, self.backend, self.sampler)
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.eos_token_ids = _eos_token_ids(model, tokenizer)

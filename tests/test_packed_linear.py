@@ -98,3 +98,34 @@ def test_prepack_weights_config_is_validated():
             EngineConfig(prepack_weights=bad)
     for good in (None, True, False, "mkl", "onednn"):
         assert EngineConfig(prepack_weights=good).prepack_weights == good
+
+
+@pytest.mark.parametrize("kind", ["mkl", "onednn"])
+def test_engine_with_each_packing_keeps_greedy_parity(kind):
+    if not packed_linear.available(kind):
+        pytest.skip(f"torch without {kind} packing")
+    from hf_paged import PagedGenerator, SamplingParams
+    from tests.helpers import make_model, make_prompts, stock_greedy
+
+    model = make_model("llama", seed=3)
+    prompts = make_prompts(4, [1, 9, 40, 70], seed=3)
+    engine = PagedGenerator(model, num_blocks=64, block_size=4, prepack_weights=kind)
+    try:
+        assert engine.packed.kinds == {torch.float32: kind}
+        outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:
+        engine.close()
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == stock_greedy(model, prompt, 12)
+    assert "forward" not in model.model.layers[0].mlp.up_proj.__dict__  # close() restored the modules
+
+
+def test_bad_prepack_value_leaves_model_untouched():
+    from hf_paged import PagedGenerator
+    from tests.helpers import make_model
+
+    model = make_model("llama", seed=3)
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match="prepack_weights"):
+        PagedGenerator(model, num_blocks=16, prepack_weights="fast")
+    assert model.config._attn_implementation == before
