@@ -72,6 +72,14 @@ def cmd_batch(args) -> int:
     return 0
 
 
+def cmd_env(args) -> int:
+    from hf_paged.env import collect, format_report
+
+    info = collect()
+    print(json.dumps(info, indent=2) if args.json else format_report(info))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from hf_paged.bench import WORKLOADS
 
@@ -107,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_sampling(batch, max_tokens=128, temperature=0.0)
     batch.set_defaults(func=cmd_batch)
+
+    env = sub.add_parser("env", help="versions, CPU features and the kernels picked here (for bug reports)")
+    env.add_argument("--json", action="store_true", help="machine-readable output")
+    env.set_defaults(func=cmd_env)
 
     bench = sub.add_parser("bench", help="run a standard workload against its baselines (BENCHMARKS.md)")
     bench.add_argument("workload", choices=["chat", "mixed", "latency"])

@@ -25,10 +25,10 @@ class EngineConfig:
         attention_backend: "auto" (Triton on CUDA; on CPU the native kernel when it builds, else torch),
             "torch", "cpu" or "triton".
         seed: Seed of the engine generator used by sampled requests that bring no seed of their own.
-        prepack_weights: Pack fp32/bf16 ``nn.Linear`` weights once (CPU): faster engine matmuls for about the
-            weights' size in extra memory. None: on for CPU models when torch can pack; True: on (error if
-            it cannot); False: off; "mkl" or "onednn": that packing (default: bf16 oneDNN, fp32 the faster
-            of the two on this host).
+        prepack_weights: Pack ``nn.Linear`` weights once (CPU): faster engine matmuls for about the weights'
+            size in extra memory. None: per dtype, the fastest of plain ``F.linear`` and the packings that
+            pass their probe on this CPU (timed once at start); True: the fastest packing (error if none
+            works); False: off; "mkl", "onednn" or "upcast": that packing (error if it packs nothing here).
     """
 
     block_size: int = 16
@@ -58,9 +58,9 @@ class EngineConfig:
         if not isinstance(self.enable_chunked_prefill, bool):
             raise TypeError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
         pw = self.prepack_weights
-        if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in ("mkl", "onednn"))):
+        if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in ("mkl", "onednn", "upcast"))):
             raise ValueError(
-                f"prepack_weights must be None, True, False, 'mkl' or 'onednn', got {self.prepack_weights!r}"
+                f"prepack_weights must be None, True, False, 'mkl', 'onednn' or 'upcast', got {self.prepack_weights!r}"
             )
 
     @classmethod

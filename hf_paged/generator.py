@@ -48,10 +48,10 @@ class PagedGenerator:
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
-        self.backend = resolve_backend(self.config.attention_backend, self.device)
         self._previous_attn = attention.enable(model)
         try:
             self._build_pool()
+            self.backend = resolve_backend(self.config.attention_backend, self.device, self.pool.specs[0].dtype)
             self.packed = self._maybe_prepack()
         except BaseException:
             attention.disable(model, self._previous_attn)
@@ -118,14 +118,16 @@ class PagedGenerator:
             if want not in (None, False):
                 raise ValueError(f"prepack_weights={want!r} is for CPU models; this one is on {self.device}")
             return None
-        kind = want if isinstance(want, str) else "auto"
-        packed = PackedLinears(self.model, attention.engine_forward_active, kind) if packed_linear.available(
-            "any" if kind == "auto" else kind) else None
+        kind = want if isinstance(want, str) else ("any" if want else "auto")
+        packed = PackedLinears(self.model, attention.engine_forward_active, kind)
         if want is not None and not packed:
-            raise RuntimeError(
-                f"prepack_weights={want!r}: no fp32/bf16 nn.Linear weights this torch build can pack "
-                "(packing needs MKL's packed sgemm for fp32 'mkl', oneDNN for 'onednn' and bf16)"
+            dtypes = sorted({str(p.dtype) for p in self.model.parameters()})
+            tried = [k for k in packed_linear.KINDS if kind in ("any", k)]
+            why = "; ".join(
+                f"{k} for {d.removeprefix('torch.')}: {packed_linear.unavailable_reason(k, getattr(torch, d.removeprefix('torch.')))}"
+                for k in tried for d in dtypes
             )
+            raise RuntimeError(f"prepack_weights={want!r}: no nn.Linear weight of this model can be packed here ({why})")
         return packed if packed else None
 
     # -- intake -------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Paged KV ops, dispatched on device: ``store_kv`` and ``paged_attention`` (DESIGN.md section 4).
 
 ``backend``:
-- "auto": Triton for CUDA tensors; on CPU "cpu" when the native kernel builds here, else "torch".
+- "auto": Triton for CUDA tensors; on CPU "cpu" when the native kernel builds and passes its probe for
+  the cache dtype here, else "torch".
 - "torch": vectorized torch (gather + SDPA per group of sequences); runs anywhere.
 - "cpu": the torch path, with short queries (decode, speculative verification) computed by a native C
   kernel that reads the pool in place (``cpu_attention.py``).
@@ -20,21 +21,21 @@ from hf_paged.kernels.torch_attention import TorchAttentionPlan, paged_attention
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map "auto" to the concrete backend for ``device`` and check the choice can run here."""
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """Map "auto" to the concrete backend for ``device`` and ``dtype`` and check the choice can run here."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         if device.type == "cuda":
             return "triton" if _triton_available() else "torch"
-        return "cpu" if device.type == "cpu" and cpu_attention.available() else "torch"
+        return "cpu" if device.type == "cpu" and cpu_attention.available(dtype) else "torch"
     if backend == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' runs on CPU tensors, got device {device}")
-        if not cpu_attention.available():
+        if not cpu_attention.available(dtype):
             raise RuntimeError(
-                "attention_backend='cpu' needs its native kernel, which could not be built here (no working C "
-                "compiler with OpenMP, or HF_PAGED_NO_NATIVE=1); use 'torch'"
+                f"attention_backend='cpu' needs its native kernel, which does not work here for {dtype} "
+                f"({cpu_attention.unavailable_reason(dtype)}); use 'torch' or 'auto'"
             )
     if backend == "triton":
         if not _triton_available():
@@ -97,7 +98,7 @@ def store_kv(
         )
     if slot_mapping.shape != key.shape[:1]:
         raise ValueError(f"expected slot_mapping of shape [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
-    if resolve_backend(backend, key.device) == "triton":
+    if resolve_backend(backend, key.device, k_cache.dtype) == "triton":
         _triton_ops().store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
@@ -152,7 +153,7 @@ def paged_attention(
             f"expected block_tables [num_seqs, max_blocks] and cu_seqlens_q [num_seqs + 1], got "
             f"{tuple(block_tables.shape)} and {tuple(cu_seqlens_q.shape)} for {seq_lens.shape[0]} sequences"
         )
-    resolved = resolve_backend(backend, query.device)
+    resolved = resolve_backend(backend, query.device, k_cache.dtype)
     if resolved == "triton":
         return _triton_ops().paged_attention_triton(
             query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
@@ -168,4 +169,13 @@ def paged_attention(
     )
 
 
-__all__ = ["BACKENDS", "TorchAttentionPlan", "paged_attention", "resolve_backend", "store_kv"]
+def reset_fast_paths() -> None:
+    """Forget every probe result, timing and loaded native library: the next use probes afresh (tests)."""
+    from hf_paged.kernels import packed_linear, probes
+
+    probes.reset()
+    packed_linear.reset()
+    cpu_attention.reset()
+
+
+__all__ = ["BACKENDS", "reset_fast_paths", "TorchAttentionPlan", "paged_attention", "resolve_backend", "store_kv"]

@@ -5,8 +5,10 @@ gather write, SDPA read); on a memory-bound decode step that is most of the atte
 in ``csrc/paged_attention_cpu.c`` reads them once, straight from the block pool.
 
 The library is compiled on first use with the host C compiler (``$CC``, else ``cc``/``gcc``) into the
-user cache dir, keyed by the source, the flags and the CPU, and loaded with ctypes. Without a working
-compiler :func:`load` returns None and callers keep the pure-torch path.
+user cache dir, keyed by the source, the flags and the CPU, and loaded with ctypes. The build is
+time-limited (``HF_PAGED_CC_TIMEOUT`` seconds, default 120), and each dtype is probed once with a tiny call
+checked against the torch path (:mod:`hf_paged.kernels.probes`). Without a working compiler, or when the
+probe fails, :func:`available` is False and callers keep the pure-torch path.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from hf_paged.kernels import probes
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
@@ -33,6 +37,8 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_why = ""  # why the library is missing
+PROBE = "attention.native"
 
 
 def _compiler() -> str | None:
@@ -65,7 +71,10 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+            timeout=float(os.environ.get("HF_PAGED_CC_TIMEOUT", "120")), stdin=subprocess.DEVNULL,
+        )
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -75,7 +84,7 @@ def _build(cc: str) -> Path:
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, building it once per machine; None if it cannot be built here."""
-    global _lib, _tried
+    global _lib, _tried, _why
     if _tried:
         return _lib
     with _lock:
@@ -83,15 +92,23 @@ def load() -> ctypes.CDLL | None:
             return _lib
         _tried = True
         if os.environ.get("HF_PAGED_NO_NATIVE") == "1":
+            _why = "disabled by HF_PAGED_NO_NATIVE=1"
             return None
         cc = _compiler()
         if cc is None:
-            logger.warning("no C compiler found: CPU attention uses the pure-torch path (slower decode)")
+            _why = "no C compiler found ($CC, cc, gcc, clang)"
+            logger.warning("%s: CPU attention uses the pure-torch path (slower decode)", _why)
             return None
         try:
             lib = ctypes.CDLL(str(_build(cc)))
-        except (OSError, subprocess.CalledProcessError) as e:
+        except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", "") or str(e)
+            if isinstance(e, subprocess.TimeoutExpired):
+                _why = f"building with {cc} timed out after {e.timeout:g} s (HF_PAGED_CC_TIMEOUT)"
+            elif isinstance(e, subprocess.CalledProcessError):
+                _why = f"building with {cc} failed (exit code {e.returncode}): {_last_line(detail or 'no output')}"
+            else:
+                _why = f"building with {cc} failed: {_last_line(detail)}"
             logger.warning("building the native CPU attention kernel failed, using the torch path: %s", detail[-2000:])
             return None
         fn = lib.hfp_paged_attention
@@ -103,8 +120,55 @@ def load() -> ctypes.CDLL | None:
         return _lib
 
 
-def available() -> bool:
-    return load() is not None
+def _last_line(text: str) -> str:
+    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else "unknown error"
+
+
+def reset() -> None:
+    """Forget the loaded library and probe results, so the next call builds and probes again (for tests)."""
+    global _lib, _tried, _why
+    with _lock:
+        _lib, _tried, _why = None, False, ""
+        probes.reset(PROBE)
+
+
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the native kernel builds here and computes ``dtype`` correctly (probed once per dtype)."""
+    return probes.probe(PROBE, dtype).ok
+
+
+def unavailable_reason(dtype: torch.dtype = torch.float32) -> str:
+    return probes.probe(PROBE, dtype).reason
+
+
+def _probe(dtype: torch.dtype) -> None:
+    """A tiny decode + short-query step (GQA 2:1, two blocks, a sliding window) against the torch path."""
+    if dtype not in _DTYPES:
+        raise NotImplementedError(f"the native kernel takes {sorted(str(d) for d in _DTYPES)}, not {dtype}")
+    if load() is None:
+        raise RuntimeError(_why or "the native kernel could not be built")
+    from hf_paged.kernels.torch_attention import paged_attention_torch
+
+    g = torch.Generator().manual_seed(0)
+    block_size, kvh, heads, dim = 4, 2, 4, 16
+    k_cache = torch.randn(6, block_size, kvh, dim, generator=g).to(dtype)
+    v_cache = torch.randn(6, block_size, kvh, dim, generator=g).to(dtype)
+    block_tables = torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int32)
+    seq_lens = torch.tensor([7, 11], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+    query = torch.randn(4, heads, dim, generator=g).to(dtype)
+    for window in (None, 5):
+        want = paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu, 3, 11, 0.25, window)
+        out = torch.zeros_like(query)
+        paged_attention_native(
+            query, k_cache, v_cache, block_tables, seq_lens, cu, torch.tensor([0, 1], dtype=torch.int32), out,
+            0.25, window, None, 3,
+        )
+        probes.check_close(out, want, f"native attention (window {window})")
+
+
+probes.register(PROBE, _probe)
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:

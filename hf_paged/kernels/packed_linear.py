@@ -1,4 +1,4 @@
-"""Pre-packed ``nn.Linear`` weights for CPU engine steps (MKL's packed sgemm, or oneDNN's packed linear).
+"""Pre-packed ``nn.Linear`` weights for CPU engine steps (MKL's packed sgemm, oneDNN's packed linear).
 
 A plain ``F.linear`` on CPU re-packs (reorders) the whole weight matrix on every call. At the batch sizes of
 a decode step (tens of rows) that is a large part of the matmul. Packing each weight once makes the model's
@@ -11,14 +11,20 @@ matmuls faster at every row count:
   call. bf16 results are bitwise equal to ``F.linear`` (which runs the same oneDNN kernel); fp32 differs from
   MKL in the last bits (a different summation order). On an AMD EPYC (Zen 4) host, where MKL's sgemm reaches
   only ~60-110 GFLOP/s on 2 cores, oneDNN fp32 is 1.3-2x faster than ``F.linear``.
+- ``"upcast"`` (bf16, fp16): an fp32 copy of the weight, packed by the fastest fp32 packing; inputs are
+  widened and outputs rounded back. For CPUs without bf16 arithmetic (AVX2 only), where torch emulates bf16
+  matmuls at ~1/6 of the fp32 speed; costs twice the bf16 weights in memory.
 
-For fp32 the default (``kind="auto"``) times both on one of the model's weight shapes and keeps the faster.
+Every packing is probed once per process and dtype (:mod:`hf_paged.kernels.probes`): oneDNN's bf16 packing,
+for one, is in every x86 build of torch but raises on CPUs without AVX-512 BW/VL/DQ or AVX-NE-CONVERT. With
+``kind="auto"`` the fastest of plain ``F.linear`` and the packings that work is timed once on one of the
+model's weight shapes and kept, per dtype.
 
-:class:`PackedLinears` swaps the ``forward`` of every plain fp32/bf16 ``nn.Linear`` of a model for one that uses
-the packed weight *only inside an engine forward* (``attention.engine_forward``) without autograd; any other
-call (training, a plain forward) runs the original ``forward``. A weight changed in place (optimizer step,
-``load_state_dict``) or replaced is re-packed on its next use. :meth:`PackedLinears.remove` restores the
-modules. The packed copies cost about as much memory as the weights.
+:class:`PackedLinears` swaps the ``forward`` of every plain fp32/bf16/fp16 ``nn.Linear`` of a model for one that
+uses the packed weight *only inside an engine forward* (``attention.engine_forward``) without autograd; any
+other call (training, a plain forward) runs the original ``forward``. A weight changed in place (optimizer
+step, ``load_state_dict``) or replaced is re-packed on its next use. :meth:`PackedLinears.remove` restores
+the modules. The packed copies cost about as much memory as the weights.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from hf_paged.kernels import probes
 
 logger = logging.getLogger(__name__)
 
@@ -61,22 +69,64 @@ def _mkl() -> ctypes.CDLL | None:
     return _lib
 
 
-def available(kind: str = "any") -> bool:
-    """Whether packing ``kind`` ("mkl", "onednn" or "any") works with this torch build."""
-    if kind == "mkl":
-        return _mkl() is not None
-    if kind == "onednn":
-        return _onednn()
-    return _mkl() is not None or _onednn()
+KINDS = ("mkl", "onednn", "upcast")
+# Packings that can serve each weight dtype, in the order tried when timings tie.
+CANDIDATES = {
+    torch.float32: ("onednn", "mkl"),
+    torch.bfloat16: ("onednn", "upcast"),
+    torch.float16: ("upcast",),
+}
 
 
-def _onednn() -> bool:
+def available(kind: str = "any", dtype: torch.dtype = torch.float32) -> bool:
+    """Whether packing ``kind`` ("mkl", "onednn", "upcast" or "any") works here for ``dtype`` weights.
+
+    Decided by a probe (a tiny real pack and matmul checked against ``F.linear``), not by build flags:
+    oneDNN's bf16 packing, for one, exists in every x86 build but raises on CPUs without AVX-512 BW/VL/DQ.
+    """
+    kinds = CANDIDATES.get(dtype, ()) if kind == "any" else (kind,)
+    return any(probes.probe(f"linear.{k}", dtype).ok for k in kinds)
+
+
+def unavailable_reason(kind: str, dtype: torch.dtype) -> str:
+    """Why ``kind`` cannot pack ``dtype`` weights here ("" if it can)."""
+    return probes.probe(f"linear.{kind}", dtype).reason
+
+
+def _onednn_built() -> bool:
     ops = torch.ops.mkldnn
     return (
         torch.backends.mkldnn.is_available()
         and hasattr(ops, "_reorder_linear_weight")
         and hasattr(ops, "_linear_pointwise")
     )
+
+
+def _probe_packing(kind: str, dtype: torch.dtype) -> None:
+    if dtype not in CANDIDATES or kind not in CANDIDATES[dtype]:
+        raise NotImplementedError(f"{kind} packing does not take {str(dtype).removeprefix('torch.')} weights")
+    if kind == "mkl" and _mkl() is None:
+        raise RuntimeError("this torch build does not export MKL's packed sgemm (cblas_sgemm_pack)")
+    if kind == "onednn" and not _onednn_built():
+        raise RuntimeError("this torch build has no oneDNN (mkldnn) linear ops")
+    if kind == "upcast" and not available("any", torch.float32):
+        raise RuntimeError("no fp32 packing works here to compute in")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 40, generator=g).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype)
+    for rows in (1, 7, 33):
+        x = torch.randn(rows, 40, generator=g).to(dtype)
+        if kind == "upcast":  # every fp32 packing that works, without fixing the one used later
+            packs = [UpcastPackedWeight(w, k) for k in CANDIDATES[torch.float32] if available(k, torch.float32)]
+        else:
+            packs = [_PACKERS[kind](w)]
+        for pack in packs:
+            got = pack.linear(x, b)
+            probes.check_close(got, torch.nn.functional.linear(x, w, b), f"{kind} packed linear ({rows} rows)")
+
+
+for _kind in KINDS:
+    probes.register(f"linear.{_kind}", lambda dtype, _k=_kind: _probe_packing(_k, dtype))
 
 
 class PackedWeight:
@@ -130,28 +180,114 @@ class OneDnnPackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 
 
-_PACKERS = {"mkl": PackedWeight, "onednn": OneDnnPackedWeight}
+class UpcastPackedWeight:
+    """A bf16/fp16 weight computed in fp32: an fp32 copy packed by the fastest fp32 packing, output rounded back.
+
+    For CPUs without bf16 arithmetic (no AVX-512 BF16, no AMX), where torch emulates bf16 matmuls several
+    times slower than fp32 ones. Accumulation is fp32 either way, so results equal ``F.linear`` up to the
+    summation order; the fp32 copy costs twice the bf16 weight's memory.
+    """
+
+    kind = "upcast"
+
+    def __init__(self, weight: torch.Tensor, inner_kind: str | None = None) -> None:
+        assert weight.dtype in (torch.bfloat16, torch.float16) and weight.dim() == 2
+        self.source = weight
+        self.version = weight._version
+        global _upcast_inner
+        if inner_kind is None:
+            if _upcast_inner is None:  # timed once, on the first weight's shape
+                _upcast_inner = _fastest_kind(torch.float32, *weight.shape, include_torch=False)
+            inner_kind = _upcast_inner
+        assert inner_kind != "torch", "upcast packing needs an fp32 packing"
+        self.inner = _PACKERS[inner_kind](weight.detach().float())
+
+    def stale(self, weight: torch.Tensor) -> bool:
+        return weight is not self.source or weight._version != self.version
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.inner.linear(x.float(), None if bias is None else bias.float())
+        return y.to(x.dtype)
 
 
-def fastest_fp32_kind(out_features: int, in_features: int, rows: int = 32, reps: int = 8) -> str | None:
-    """Time MKL and oneDNN packed fp32 matmuls on one weight shape; the faster kind (None if neither works)."""
-    kinds = [k for k in ("mkl", "onednn") if available(k)]
-    if len(kinds) < 2:
-        return kinds[0] if kinds else None
+_PACKERS = {"mkl": PackedWeight, "onednn": OneDnnPackedWeight, "upcast": UpcastPackedWeight}
+_fastest: dict[tuple, str] = {}
+_MARGIN = {"upcast": 1.25}
+_upcast_inner: str | None = None
+_timings: dict[tuple, dict[str, float]] = {}  # _fastest_kind's key -> kind -> seconds per call
+
+
+def _fastest_kind(
+    dtype: torch.dtype, out_features: int, in_features: int, include_torch: bool = True, rows: int = 32, reps: int = 8
+) -> str:
+    """Time plain ``F.linear`` and every working packing of ``dtype`` at one weight shape; the fastest kind.
+
+    "torch" when no packing works, or (``include_torch``) none clearly beats ``F.linear``. Timed once per
+    process and shape (a few ms).
+    """
+    key = (dtype, out_features, in_features, include_torch)
+    if key in _fastest:
+        return _fastest[key]
+    kinds = [k for k in CANDIDATES.get(dtype, ()) if available(k, dtype)]
+    if not kinds:
+        return "torch"
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(out_features, in_features, generator=g)
-    x = torch.randn(rows, in_features, generator=g)
-    best: tuple[float, str] | None = None
-    for kind in kinds:
-        pack = _PACKERS[kind](w)
-        pack.linear(x, None)  # warm-up (first-call setup)
-        start = time.perf_counter()
-        for _ in range(reps):
-            pack.linear(x, None)
-        elapsed = time.perf_counter() - start
-        if best is None or elapsed < best[0]:
-            best = (elapsed, kind)
-    return best[1]
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    timings = {}
+    for kind in (("torch",) if include_torch else ()) + tuple(kinds):
+        if kind == "torch":
+            call = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+        else:
+            pack = _PACKERS[kind](w)
+            call = lambda pack=pack: pack.linear(x, None)  # noqa: E731
+        call()  # warm-up (first-call setup)
+        best_round = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(reps):
+                call()
+            best_round = min(best_round, time.perf_counter() - start)
+        timings[kind] = best_round / reps
+    # A packing costs memory (upcast: twice the weights): keep it only if clearly faster than F.linear.
+    best = min(timings, key=lambda k: timings[k] * (1.0 if k == "torch" else _MARGIN.get(k, 1.1)))
+    _timings[key] = timings
+    logger.info(
+        "%s linear %dx%d, %d rows: %s -> %s", str(dtype).removeprefix("torch."), out_features, in_features, rows,
+        ", ".join(f"{k} {t * 1e6:.0f} us" for k, t in timings.items()), best,
+    )
+    _fastest[key] = best
+    return best
+
+
+def reset() -> None:
+    """Forget timings and probe results of the packings (for tests)."""
+    global _upcast_inner
+    _fastest.clear()
+    _timings.clear()
+    _upcast_inner = None
+    for kind in KINDS:
+        probes.reset(f"linear.{kind}")
+
+
+def describe_choice(dtype: torch.dtype, shape: tuple[int, int] = (1024, 1024)) -> str:
+    """Which linear kernel ``prepack_weights=None`` picks for ``dtype`` here, and why (for ``hf-paged env``)."""
+    name = str(dtype).removeprefix("torch.")
+    kind = _fastest_kind(dtype, *shape)
+    parts = []
+    timed = _timings.get((dtype, *shape, True), {})
+    if len(timed) > 1:
+        parts.append(
+            f"fastest at {shape[0]}x{shape[1]}, 32 rows: " + ", ".join(f"{k} {t * 1e6:.0f} us" for k, t in timed.items())
+        )
+    failed = [f"{k} unavailable: {unavailable_reason(k, dtype)}" for k in CANDIDATES.get(dtype, ()) if not available(k, dtype)]
+    parts += failed
+    if not CANDIDATES.get(dtype):
+        parts.append(f"no packing takes {name} weights")
+    label = f"upcast (fp32 compute, {_fastest_kind(torch.float32, *shape, include_torch=False)} packing)" if kind == "upcast" else kind
+    if kind == "torch":
+        label = "torch (F.linear)"
+    return f"{label}" + (f" ({'; '.join(parts)})" if parts else "")
 
 
 class PackedLinears:
@@ -160,16 +296,19 @@ class PackedLinears:
     Args:
         model: The model whose linears are packed (in place: their ``forward`` is swapped).
         active: True while an engine forward runs; only then are the packs used.
-        kind: "auto" (bf16: oneDNN; fp32: the faster of MKL and oneDNN on this host), "mkl" or "onednn".
+        kind: "auto" (per dtype, the fastest of plain ``F.linear`` and the packings that pass their probe
+            here, timed once at one weight shape), "any" (the fastest packing even if ``F.linear`` is as
+            fast), or "mkl", "onednn", "upcast" to use that packing where it works (dtypes it cannot pack stay
+            unpacked).
     """
 
     def __init__(self, model: torch.nn.Module, active: Callable[[], bool], kind: str = "auto") -> None:
-        if kind not in ("auto", *_PACKERS):
-            raise ValueError(f"packing kind must be 'auto', 'mkl' or 'onednn', got {kind!r}")
+        if kind not in ("auto", "any", *_PACKERS):
+            raise ValueError(f"packing kind must be 'auto', 'mkl', 'onednn' or 'upcast', got {kind!r}")
         self._active = active
         self._modules: list[torch.nn.Linear] = []
-        self._packs: dict[int, PackedWeight | OneDnnPackedWeight] = {}
-        self.kinds: dict[torch.dtype, str] = {}  # dtype -> packing kind in use
+        self._packs: dict[int, PackedWeight | OneDnnPackedWeight | UpcastPackedWeight] = {}
+        self.kinds: dict[torch.dtype, str] = {}  # dtype -> packing kind in use ("torch": not packed)
         nbytes = 0
         for module in model.modules():
             w = getattr(module, "weight", None)
@@ -190,16 +329,17 @@ class PackedLinears:
     def _packer(self, weight: torch.Tensor, kind: str):
         dtype = weight.dtype
         if dtype not in self.kinds:
-            if dtype == torch.bfloat16:
-                chosen = "onednn" if kind in ("auto", "onednn") and available("onednn") else None
-            elif dtype == torch.float32:
-                chosen = fastest_fp32_kind(*weight.shape) if kind == "auto" else (kind if available(kind) else None)
+            if kind in ("auto", "any"):
+                self.kinds[dtype] = _fastest_kind(dtype, *weight.shape, include_torch=kind == "auto")
             else:
-                chosen = None
-            if chosen is None:
-                return None
-            self.kinds[dtype] = chosen
-        return _PACKERS[self.kinds[dtype]]
+                self.kinds[dtype] = kind if kind in CANDIDATES.get(dtype, ()) and available(kind, dtype) else "torch"
+        chosen = self.kinds[dtype]
+        return None if chosen == "torch" else _PACKERS[chosen]
+
+    @property
+    def packed_kinds(self) -> dict[torch.dtype, str]:
+        """dtype -> packing kind, for the dtypes whose linears are packed."""
+        return {d: k for d, k in self.kinds.items() if k != "torch"}
 
     def __len__(self) -> int:
         return len(self._modules)
