@@ -1,24 +1,40 @@
-"""hf_paged: vLLM-class serving for HuggingFace causal LMs (paged KV cache, continuous batching)."""
+"""hf_paged: vLLM-class serving for HuggingFace causal LMs (paged KV cache, continuous batching).
 
-from hf_paged.config import EngineConfig
-from hf_paged.generator import PagedGenerator
-from hf_paged.hf.paged_cache import PagedCache
-from hf_paged.hf.wrap import unwrap, wrap
-from hf_paged.outputs import RequestOutput
-from hf_paged.sampling_params import SamplingParams
+Names are imported on first use, so ``import hf_paged.core.scheduler`` (pure Python) pulls in neither
+torch nor transformers.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
+_EXPORTS = {
+    "BeamSearchOutput": "hf_paged.beam_search",
+    "BeamSearchParams": "hf_paged.sampling_params",
+    "CompletionOutput": "hf_paged.outputs",
+    "EngineConfig": "hf_paged.config",
+    "EngineStats": "hf_paged.outputs",
+    "PagedCache": "hf_paged.cache",
+    "PagedGenerator": "hf_paged.generator",
+    "RequestOutput": "hf_paged.outputs",
+    "SamplingParams": "hf_paged.sampling_params",
+    "pipeline": "hf_paged.hf.pipeline",
+    "unwrap": "hf_paged.hf.wrap",
+    "wrap": "hf_paged.hf.wrap",
+}
+
+
 def __getattr__(name: str):
-    # ``pipeline`` pulls in transformers.pipelines (~4 s of imports): load it on first use only.
-    if name == "pipeline":
-        from hf_paged.hf.pipeline import pipeline
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return pipeline
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = [
-    "EngineConfig", "PagedCache", "PagedGenerator", "RequestOutput", "SamplingParams", "__version__", "pipeline", "unwrap",
-    "wrap",
-]
+__all__ = [*sorted(_EXPORTS), "__version__"]

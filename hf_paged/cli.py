@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--json", action="store_true", help="machine-readable output")
     env.set_defaults(func=cmd_env)
 
-    bench = sub.add_parser("bench", help="run a standard workload against its baselines (BENCHMARKS.md)")
-    bench.add_argument("workload", choices=["chat", "mixed", "latency"])
+    bench = sub.add_parser("bench", help="run a standard workload against its baselines (docs/benchmarks.md)")
+    bench.add_argument("workload", choices=["chat", "mixed", "latency", "prefix"])
     bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     bench.add_argument("--repeat", type=int, default=1, help="runs per system; the fastest counts")
     bench.add_argument("--systems", help="comma-separated subset, e.g. padded,hf_paged")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
 from hf_paged.kernels import BACKENDS
 
 
@@ -25,6 +26,15 @@ class EngineConfig:
         attention_backend: "auto" (Triton on CUDA; on CPU the native kernel when it builds, else torch),
             "torch", "cpu" or "triton".
         seed: Seed of the engine generator used by sampled requests that bring no seed of their own.
+        enable_prefix_caching: Hash full KV blocks so requests sharing a prompt prefix reuse its KV instead
+            of recomputing it. Freed blocks keep their contents until evicted, least recently used first.
+        scheduling_policy: "fcfs" (arrival order) or "priority" (``add_request(..., priority=)``, lower
+            first; ties by arrival). Preemption always takes the last in that order.
+        preemption_mode: When the pool runs out: "recompute" (drop the victim's KV, prefill it again later),
+            "swap" (copy its blocks to ``swap_space`` host memory and back), or "auto" (swap the sequences of
+            a group, i.e. n > 1 samples and beams, recompute single ones). Swap falls back to recompute when
+            the swap space is full.
+        swap_space: Bytes of host memory for swapped-out blocks (0: no swapping).
         prepack_weights: Pack ``nn.Linear`` weights once (CPU): faster engine matmuls for about the weights'
             size in extra memory. None: per dtype, the fastest of plain ``F.linear`` and the packings that
             pass their probe on this CPU (timed once at start); True: the fastest packing (error if none
@@ -42,6 +52,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     prepack_weights: bool | str | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "auto"
+    swap_space: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
@@ -55,8 +69,14 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
-        if not isinstance(self.enable_chunked_prefill, bool):
-            raise TypeError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        _require_int("swap_space", self.swap_space, 0)
         pw = self.prepack_weights
         if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in ("mkl", "onednn", "upcast"))):
             raise ValueError(

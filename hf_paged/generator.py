@@ -1,26 +1,31 @@
-"""``PagedGenerator``: request intake, the step loop, batch generation and streaming."""
+"""``PagedGenerator``: request intake, the step loop, batch generation, streaming and beam search."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from hf_paged import attention
-from hf_paged.cache import KVPool, decide_num_blocks, probe_kv_layout
+from hf_paged import model_patches
+from hf_paged.beam_search import BeamSearch, BeamSearchOutput
 from hf_paged.config import EngineConfig
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
-from hf_paged.kernels import packed_linear, resolve_backend
-from hf_paged.kernels.packed_linear import PackedLinears
-from hf_paged.outputs import IncrementalDetokenizer, RequestOutput, StopStringChecker
+from hf_paged.core.scheduler_output import SchedulerOutput
+from hf_paged.engine_setup import (
+    as_prompt_list, build_pool, eos_token_ids, maybe_prepack, per_prompt, release_model, token_ids,
+)
+from hf_paged.kernels import resolve_backend
+from hf_paged.output_processor import OutputProcessor, RequestState
+from hf_paged.outputs import DeltaTracker, EngineStats, RequestOutput, delta_output
+from hf_paged.request import Request, RequestStatus
 from hf_paged.runner import ModelRunner
 from hf_paged.sampling import Sampler
-from hf_paged.sampling_params import SamplingParams
-from hf_paged.sequence import Request, RequestStatus
+from hf_paged.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +38,10 @@ class PagedGenerator:
     Args:
         model: A ``transformers`` causal LM whose class supports the attention interface. It is switched
             to the "hf_paged" attention implementation; a plain forward still behaves as before.
-        tokenizer: Optional; needed for text prompts and for ``RequestOutput.text``.
+        tokenizer: Optional; needed for text prompts, stop strings and ``RequestOutput.text``.
         **config: Fields of :class:`~hf_paged.config.EngineConfig` (``block_size``, ``num_blocks``,
-            ``kv_cache_memory``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
-            ``attention_backend``, ...). An unknown key raises TypeError.
+            ``max_num_seqs``, ``enable_prefix_caching``, ``preemption_mode``, ...). An unknown key raises
+            TypeError.
 
     Example:
         >>> engine = PagedGenerator(model, tokenizer, max_num_seqs=64)
@@ -44,154 +49,114 @@ class PagedGenerator:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, **config: object) -> None:
-        self.config = EngineConfig.from_kwargs(**config)
+        self.config = cfg = EngineConfig.from_kwargs(**config)
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
-        self._previous_attn = attention.enable(model)
+        self._closed = True  # until fully built: close() then undoes nothing twice
+        model_patches.acquire_attention(model)
         try:
-            self._build_pool()
-            self.backend = resolve_backend(self.config.attention_backend, self.device, self.pool.specs[0].dtype)
-            self.packed = self._maybe_prepack()
+            self.pool, self.max_model_len = build_pool(model, cfg, self.device)
+            self.backend = resolve_backend(cfg.attention_backend, self.device, self.pool.specs[0].dtype)
+            self.packed = maybe_prepack(model, cfg, self.device)
         except BaseException:
-            attention.disable(model, self._previous_attn)
+            model_patches.release_attention(model)
             raise
-        cfg = self.config
-        self.kv_manager = KVCacheManager(self.pool.num_blocks, cfg.block_size)
+        self.kv_manager = KVCacheManager(
+            self.pool.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.pool.num_host_blocks
+        )
         self.scheduler = Scheduler(
             self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
-            cfg.enable_chunked_prefill,
+            cfg.enable_chunked_prefill, cfg.scheduling_policy, cfg.preemption_mode,
         )
         self.sampler = Sampler(self.device, cfg.seed)
         self.runner = ModelRunner(model, self.pool, self.backend, self.sampler)
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
-        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.outputs = OutputProcessor(tokenizer)
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._pending: list[RequestOutput] = []  # aborted outputs, reported by the next step()
-        self._stop_checkers: dict[str, StopStringChecker] = {}
+        self._beam_searches: list[BeamSearch] = []
         self.num_steps = 0
-
-    def _build_pool(self) -> None:
-        model = self.model
-        if model.training:
-            logger.warning("model is in training mode: dropout will make generation random; call model.eval()")
-        cfg = self.config
-        specs = probe_kv_layout(model)
-        model_max = _max_positions(model)
-        chunk = attention.chunked_attention_size(model)
-        if chunk is not None:  # exact only up to one attention chunk (Llama 4): cap the length there
-            if cfg.max_model_len is not None and cfg.max_model_len > chunk:
-                raise NotImplementedError(
-                    f"max_model_len={cfg.max_model_len} exceeds the attention chunk ({chunk} tokens) of "
-                    f"{type(model).__name__}; hf_paged has no chunked attention mask, so it serves at most one chunk"
-                )
-            model_max = min(model_max or chunk, chunk)
-        want_len = cfg.max_model_len or model_max or 4096
-        num_blocks = decide_num_blocks(
-            specs, cfg.block_size, self.device, cfg.num_blocks, cfg.kv_cache_memory,
-            cfg.kv_cache_memory_fraction, max_tokens_needed=cfg.max_num_seqs * want_len,
-        )
-        capacity = num_blocks * cfg.block_size
-        if cfg.max_model_len is not None:
-            if cfg.max_model_len > capacity:
-                raise ValueError(
-                    f"max_model_len={cfg.max_model_len} does not fit the KV pool ({capacity} tokens); "
-                    "give more num_blocks / kv_cache_memory or a smaller max_model_len"
-                )
-            if model_max is not None and cfg.max_model_len > model_max:
-                raise ValueError(
-                    f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings={model_max}"
-                )
-            self.max_model_len = cfg.max_model_len
-        else:
-            self.max_model_len = min(model_max or capacity, capacity)
-        self.pool = KVPool(specs, num_blocks, cfg.block_size, self.device)
-        logger.info(
-            "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d layers); max_model_len %d",
-            num_blocks, cfg.block_size, capacity, self.pool.total_bytes / 2**20, len(specs), self.max_model_len,
-        )
-
-    def _maybe_prepack(self) -> PackedLinears | None:
-        want = self.config.prepack_weights
-        if want is False or self.device.type != "cpu":
-            if want not in (None, False):
-                raise ValueError(f"prepack_weights={want!r} is for CPU models; this one is on {self.device}")
-            return None
-        kind = want if isinstance(want, str) else ("any" if want else "auto")
-        packed = PackedLinears(self.model, attention.engine_forward_active, kind)
-        if want is not None and not packed:
-            dtypes = sorted({str(p.dtype) for p in self.model.parameters()})
-            tried = [k for k in packed_linear.KINDS if kind in ("any", k)]
-            why = "; ".join(
-                f"{k} for {d.removeprefix('torch.')}: {packed_linear.unavailable_reason(k, getattr(torch, d.removeprefix('torch.')))}"
-                for k in tried for d in dtypes
-            )
-            raise RuntimeError(f"prepack_weights={want!r}: no nn.Linear weight of this model can be packed here ({why})")
-        return packed if packed else None
+        self._finished_states = self.outputs.finished_queues  # finished requests whose queue is not read yet
+        self._weights_seen: int | None = None
+        # An engine dropped without close() gives the model back when it is garbage-collected.
+        self._release = weakref.finalize(self, release_model, model, self.packed is not None)
+        self._closed = False
 
     # -- intake -------------------------------------------------------------------------------------
-    def _token_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer: pass tokenizer= to the engine, or token ids")
-            ids = self.tokenizer(prompt)["input_ids"]
-            text: str | None = prompt
-        elif isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1 or prompt.is_floating_point():
-                raise TypeError(f"a tensor prompt must be 1-D integer token ids, got {prompt.dtype} {tuple(prompt.shape)}")
-            ids, text = prompt.tolist(), None
-        elif isinstance(prompt, Sequence):
-            ids, text = list(prompt), None
-        else:
-            raise TypeError(f"prompt must be a str, a list of token ids or a 1-D tensor, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError(f"prompt {prompt!r} is empty (no tokens)")
-        for tok in ids:
-            if isinstance(tok, bool) or not isinstance(tok, int):
-                raise TypeError(f"token ids must be ints, got {tok!r} ({type(tok).__name__})")
-            if not 0 <= tok < self.vocab_size:
-                raise ValueError(f"token id {tok} is outside the vocabulary [0, {self.vocab_size})")
-        return ids, text
+    def add_request(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        *,
+        tokenizer=None,
+        return_scores: bool = False,
+        queue_outputs: bool = False,
+    ) -> str:
+        """Queue one request; returns its id. Bad input raises ValueError/TypeError and changes nothing.
+
+        Args:
+            prompt: Text (needs a tokenizer), a list of token ids, or a 1-D integer tensor.
+            sampling_params: How to sample (``SamplingParams()`` by default).
+            request_id: Your id for it (unique among live requests); a fresh one by default.
+            priority: With ``scheduling_policy="priority"``, lower values run first (vLLM's convention).
+            tokenizer: A tokenizer for this request's stop strings and text, instead of the engine's.
+            return_scores: Keep the processed logits row of every sampled token (HF ``output_scores``),
+                readable with :meth:`scores_of`.
+            queue_outputs: Keep every output of this request in its own queue, read with :meth:`poll` or
+                :meth:`next_output`, whichever thread runs the steps that produce them.
+        """
+        with self._lock:
+            request, state = self._make_request(prompt, sampling_params, request_id, priority, tokenizer, return_scores)
+            self._admit(request, state, queue_outputs)
+            return request.request_id
 
     def _make_request(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, tokenizer=None
-    ) -> Request:
-        params = SamplingParams() if params is None else params
+        self, prompt, sampling_params, request_id, priority, tokenizer=None, return_scores=False
+    ) -> tuple[Request, RequestState]:
+        """Validate one request (raising ValueError/TypeError) without admitting it."""
+        self._check_usable()
+        params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        ids, text = self._token_ids(prompt)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}")
+        ids, text = token_ids(prompt, self.tokenizer, self.vocab_size)
         rid = str(next(self._ids)) if request_id is None else request_id
         if not isinstance(rid, str):
             raise TypeError(f"request_id must be a str, got {rid!r}")
+        if rid in self.outputs.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
         if params.stop and (tokenizer or self.tokenizer) is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer: pass tokenizer= to the engine")
-        request = Request(rid, ids, params, self.eos_token_ids, self.max_model_len, prompt=text)
+        request = Request(rid, ids, params, self.eos_token_ids, self.max_model_len, prompt=text, priority=priority)
         self.scheduler.check_request(request)
-        return request
+        state = RequestState(rid, text, request.prompt_token_ids, params.n, request.arrival_time, tokenizer)
+        if return_scores:
+            request.scores = []
+            state.scores = {}
+        return request, state
 
-    def _admit(self, request: Request, tokenizer=None) -> None:
+    def _admit(self, request: Request, state: RequestState, queue_outputs: bool) -> None:
+        if state.request_id in self.outputs.requests:
+            raise ValueError(f"request id {state.request_id!r} is already in use")
         self.scheduler.add_request(request)
-        if request.sampling_params.stop:
-            self._stop_checkers[request.request_id] = StopStringChecker(
-                tokenizer or self.tokenizer, request.sampling_params.stop, request.prompt_token_ids
-            )
-
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue one request; returns its id. Bad input raises ValueError/TypeError and changes nothing."""
-        with self._lock:
-            request = self._make_request(prompt, sampling_params, request_id)
-            self._admit(request)
-            return request.request_id
+        self.outputs.add(state, request, request.sampling_params.stop, with_queue=queue_outputs)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        """Stop a request (every sample of it) and free its blocks; False if unknown or already finished."""
         with self._lock:
-            request = self.scheduler.abort_request(request_id)
-            if request is None:
+            state = self.outputs.state_of(request_id)
+            if state is None:
                 return False
-            self._stop_checkers.pop(request_id, None)
-            self._pending.append(self._output(request))
+            for seq in state.seqs.values():
+                if not seq.is_finished:
+                    self.scheduler.abort_request(seq.seq_id)
+            self._pending.append(self.outputs.emit(state))
             return True
 
     def has_unfinished_requests(self) -> bool:
@@ -199,55 +164,69 @@ class PagedGenerator:
 
     # -- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests that got tokens, finished, or were aborted since."""
+        """Run one engine step; return the requests that got tokens, finished, or were aborted since.
+
+        An exception in the forward fails the requests of this step (``finish_reason="error"``, the message
+        in ``CompletionOutput.error``) and nothing else; the engine goes on.
+        """
         with self._lock:
-            out = self.scheduler.schedule()
+            self._check_usable()
+            if not model_patches.attention_active(self.model):
+                raise RuntimeError(
+                    "the model no longer runs the 'hf_paged' attention (its attention implementation was changed "
+                    f"to {self.model.config._attn_implementation!r} outside this engine); generating now would "
+                    "give wrong tokens. Build a new engine."
+                )
             pending, self._pending = self._pending, []
+            self._drop_stale_prefix_cache()
+            out = self.scheduler.schedule()
             if out.is_empty:
-                self.sampler.forget(out.finished_req_ids)
+                self.runner.update_states(out)
                 if self.scheduler.has_unfinished_requests():
                     raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")
                 return pending
-            sampled = self.runner.execute(out)
-            changed = self.scheduler.update(out, sampled)
-            if self._stop_checkers:
-                self._check_stop_strings(changed)
+            try:
+                result = self.runner.execute(out)
+            except Exception as e:  # noqa: BLE001 - fail this step's requests, keep the engine usable
+                logger.exception("engine step failed; failing the %d sequences it ran", len(out.scheduled))
+                return pending + self._fail_step(out, e)
+            changed = self.scheduler.update(out, result)
+            for search in list(self._beam_searches):
+                if search.add_rows(result.beam_rows, self.scheduler):
+                    self._beam_searches.remove(search)
             self.num_steps += 1
-            return pending + [self._output(r) for r in changed]
+            return pending + self.outputs.process(changed, self.scheduler, result.scores)
 
-    def _check_stop_strings(self, changed: list[Request]) -> None:
-        for request in changed:
-            checker = self._stop_checkers.get(request.request_id)
-            if checker is None:
-                continue
-            stop = checker.update(request.output_token_ids)
-            if stop is not None:
-                request.stop_str = stop
-                if request.is_finished:  # the same token also hit max_tokens: the stop string wins
-                    request.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            if request.is_finished:
-                del self._stop_checkers[request.request_id]
+    def _weights_version(self) -> int:
+        return sum(p._version for p in self.model.parameters()) + hash(tuple(id(p) for p in self.model.parameters()))
 
-    def _output(self, request: Request) -> RequestOutput:
-        text = None
-        if request.stop_str is not None and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-            cut = text.find(request.stop_str)
-            text = text[:cut] if cut >= 0 else text
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.status.finish_reason,
-            arrival_time=request.arrival_time,
-            first_token_time=request.first_token_time,
-            finish_time=request.finish_time,
-            prompt=request.prompt,
-            _text=text,
-            _tokenizer=self.tokenizer,
-        )
+    def _drop_stale_prefix_cache(self) -> None:
+        """Cached KV was computed with the weights of its time: forget it when a weight changed (a training
+        step, ``load_state_dict``), or a prefix hit would serve the old model's KV."""
+        if not self.kv_manager.enable_prefix_caching:
+            return
+        version = self._weights_version()
+        if version != self._weights_seen:
+            if self._weights_seen is not None:
+                logger.info("model weights changed: dropping the prefix cache")
+                self.kv_manager.reset_prefix_cache()
+            self._weights_seen = version
+
+    def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        message = f"engine step failed: {type(error).__name__}: {error}"
+        failed = []
+        for seq_id in [s.seq_id for s in out.scheduled] + out.preempted_seq_ids:
+            request = self.scheduler.requests.get(seq_id)
+            if request is None or (seq_id in out.preempted_seq_ids and request.status is not RequestStatus.SWAPPED):
+                continue  # recompute victims lost nothing
+            request.error = message
+            self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_ERROR)
+            failed.append(request)
+        for search in list(self._beam_searches):
+            if any(r.seq_id not in self.scheduler.requests for row in search.running for r in row):
+                search.abort(self.scheduler)
+                self._beam_searches.remove(search)
+        return self.outputs.process(failed, self.scheduler)
 
     # -- high level ---------------------------------------------------------------------------------
     def generate(
@@ -255,6 +234,7 @@ class PagedGenerator:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """Generate for every prompt as one continuous batch; outputs come back in input order.
 
@@ -262,127 +242,196 @@ class PagedGenerator:
             prompts: A str, a list of str, a list of token ids (one prompt), or a list of token-id lists.
             sampling_params: One SamplingParams for all prompts, or one per prompt. Default: SamplingParams().
             use_tqdm: Show a progress bar of finished requests.
+            priority: One priority for all prompts, or one per prompt (``scheduling_policy="priority"``).
         """
-        prompt_list = _as_prompt_list(prompts)
-        if isinstance(sampling_params, Sequence):
-            if len(sampling_params) != len(prompt_list):
-                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompt_list)} prompts")
-            params_list = list(sampling_params)
-        else:
-            params_list = [sampling_params] * len(prompt_list)
-        with self._lock:
-            requests = [self._make_request(p, sp, None) for p, sp in zip(prompt_list, params_list)]
-            for request in requests:
-                self._admit(request)
+        prompt_list = as_prompt_list(prompts)
+        params_list = per_prompt(sampling_params, len(prompt_list), "sampling params")
+        priorities = per_prompt(priority, len(prompt_list), "priorities")
+        with self._lock:  # every prompt is validated before any is admitted
+            made = [self._make_request(p, sp, None, prio) for p, sp, prio in zip(prompt_list, params_list, priorities)]
+            for request, state in made:
+                self._admit(request, state, queue_outputs=True)
+        ids = [state.request_id for _, state in made]
+        states = [state for _, state in made]
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, unit="req")
-        done = 0
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
         try:
-            while done < len(requests):
-                self.step()
-                now_done = sum(r.is_finished for r in requests)
+            done = 0
+            while done < len(states):
+                if not all(s.finished for s in states):
+                    self.step()
+                now_done = sum(s.finished for s in states)
                 bar.update(now_done - done)
                 done = now_done
         finally:
             bar.close()
-            for r in requests:
-                if not r.is_finished:
-                    self.abort(r.request_id)
-        return [self._output(r) for r in requests]
+            for rid, s in zip(ids, states):
+                if not s.finished:
+                    self.abort(rid)
+        results = [self.outputs.output(s) for s in states]
+        for rid in ids:
+            self._finished_states.pop(rid, None)
+        return results
 
     def stream(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+        priority: int = 0,
     ) -> Iterator[RequestOutput]:
         """Yield a request's output as it grows: each item carries only the new token ids and text.
 
-        The loop drives the whole engine, so other queued requests progress too. Closing the iterator
-        early aborts the request.
+        While no other thread steps the engine, the loop drives it itself (other queued requests progress
+        too). Every item produced for the request arrives, whoever ran the step. Closing the iterator early
+        aborts the request; an abort from elsewhere ends the stream with a ``finish_reason="abort"`` item.
         """
-        with self._lock:
-            request = self._make_request(prompt, sampling_params, request_id)
-            self._admit(request)
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        rid = self.add_request(prompt, sampling_params, request_id, priority, queue_outputs=True)
+        state = self.outputs.state_of(rid)
+        params = state.first.sampling_params
         # Text that could still turn out to be the start of a stop string is held back until it cannot.
-        hold = max((len(s) - 1 for s in request.sampling_params.stop or ()), default=0)
-        sent = emitted = 0
+        hold = max((len(s) - 1 for s in params.stop or ()), default=0)
+        deltas = [DeltaTracker(self.tokenizer, hold) for _ in range(state.n)]
         try:
             while True:
-                if not request.is_finished:
-                    self.step()
-                new = request.output_token_ids[sent:]
-                if not new and not request.is_finished:
-                    continue
-                sent += len(new)
-                delta = None
-                if detok is not None:
-                    detok.add(new)
-                    if request.is_finished:
-                        detok.finish()
-                        final = self._output(request).text if request.stop_str else detok.text
-                        delta = final[emitted:]
-                    else:
-                        safe = max(emitted, len(detok.text) - hold)
-                        delta, emitted = detok.text[emitted:safe], safe
-                yield RequestOutput(
-                    request_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    token_ids=new,
-                    finish_reason=request.status.finish_reason,
-                    arrival_time=request.arrival_time,
-                    first_token_time=request.first_token_time,
-                    finish_time=request.finish_time,
-                    prompt=request.prompt,
-                    _text=delta,
-                )
-                if request.is_finished:
+                item = self._next_output(state)
+                yield delta_output(item, deltas)
+                if item.finished:
                     return
         finally:
-            if not request.is_finished:
-                self.abort(request.request_id)
+            if not state.finished:
+                self.abort(rid)
+
+    def next_output(self, request_id: str) -> RequestOutput:
+        """The next queued output of a request added with ``queue_outputs=True``, stepping the engine while
+        none is queued."""
+        state = self.outputs.state_of(request_id) or self._finished_states.get(request_id)
+        if state is None or state.queue is None:
+            raise ValueError(f"request {request_id!r} is unknown or was not added with queue_outputs=True")
+        return self._next_output(state)
+
+    def poll(self, request_id: str) -> list[RequestOutput]:
+        """Every output queued for a request (added with ``queue_outputs=True``) since the last read."""
+        state = self.outputs.state_of(request_id) or self._finished_states.get(request_id)
+        if state is None or state.queue is None:
+            return []
+        with self.outputs.ready:
+            items = list(state.queue)
+            state.queue.clear()
+        if items and items[-1].finished:
+            self._finished_states.pop(request_id, None)
+        return items
+
+    def _next_output(self, state: RequestState) -> RequestOutput:
+        while True:
+            with self.outputs.ready:
+                if state.queue:
+                    item = state.queue.popleft()
+                    if item.finished:
+                        self._finished_states.pop(state.request_id, None)
+                    return item
+            with self._lock:
+                if not state.queue:
+                    self.step()
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams | None = None
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (stock ``generate(num_beams=...)`` semantics), beams sharing blocks.
+
+        All prompts are searched in lockstep inside the engine's continuous batch; other requests keep
+        running beside them.
+        """
+        params = BeamSearchParams() if params is None else params
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompt_ids = [token_ids(p, self.tokenizer, self.vocab_size)[0] for p in as_prompt_list(prompts)]
+        search = self.start_beam_search(prompt_ids, params)
+        self.run_until(lambda: search.done)
+        return search.results(params.num_return_sequences, self.tokenizer)
+
+    def start_beam_search(
+        self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: Sequence[int] | None = None,
+        fill_token_id: int | None = None, keep_scores: bool = False,
+    ) -> BeamSearch:
+        """Admit a beam search over token-id prompts; the engine's steps advance it (``search.done``)."""
+        with self._lock:
+            self._check_usable()
+            eos = self.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
+            if fill_token_id is None:
+                fill_token_id = min(eos) if eos else 0
+            for prompt in prompts:
+                if len(prompt) + params.max_tokens > self.max_model_len:
+                    raise ValueError(
+                        f"beam search of {params.max_tokens} tokens after a {len(prompt)}-token prompt exceeds "
+                        f"max_model_len={self.max_model_len}"
+                    )
+            search = BeamSearch(prompts, params, eos, fill_token_id, f"beam{next(self._ids)}", keep_scores)
+            for request in search.prompt_requests:
+                self.scheduler.check_request(request)
+            for request in search.prompt_requests:
+                self.scheduler.add_request(request)
+            self._beam_searches.append(search)
+            return search
+
+    def abort_beam_search(self, search: BeamSearch) -> None:
+        with self._lock:
+            search.abort(self.scheduler)
+            if search in self._beam_searches:
+                self._beam_searches.remove(search)
+
+    def run_until(self, done) -> None:
+        """Step the engine until ``done()`` holds."""
+        while not done():
+            self.step()
+
+    def scores_of(self, request_id: str) -> dict[int, list] | None:
+        """Processed logits rows per sample index of a request added with ``return_scores=True``."""
+        state = self.outputs.state_of(request_id) or self._finished_states.get(request_id)
+        return None if state is None else state.scores
+
+    # -- state --------------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot of queues, KV usage, prefix-cache and preemption counters."""
+        with self._lock:
+            kv, sched = self.kv_manager, self.scheduler
+            return EngineStats(
+                num_running=len(sched.running),
+                num_waiting=len(sched.waiting),
+                num_swapped=len(sched.swapped),
+                num_kv_blocks=kv.num_blocks,
+                num_kv_blocks_used=kv.num_used_blocks,
+                num_kv_blocks_cached=kv.num_cached_free_blocks,
+                kv_usage=kv.pool.usage,
+                prefix_cache_queries=kv.prefix_queries,
+                prefix_cache_hits=kv.prefix_hits,
+                num_preemptions=dict(sched.num_preemptions),
+                num_prompt_tokens=sched.num_prompt_tokens,
+                num_generated_tokens=sched.num_generated_tokens,
+                num_requests_finished=self.outputs.num_finished,
+                num_steps=self.num_steps,
+            )
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this PagedGenerator is closed; build a new one to generate")
 
     def close(self) -> None:
-        """Give the model back its original attention implementation and drop the KV pool."""
+        """Abort what is left, drop the KV pool, and (last engine on this model) restore the model."""
         with self._lock:
-            for rid in list(self.scheduler.requests):
+            if self._closed:
+                return
+            for rid in list(self.outputs.requests):
                 self.abort(rid)
-            attention.disable(self.model, self._previous_attn)
-            if self.packed is not None:
-                self.packed.remove()
-                self.packed = None
+            for search in self._beam_searches:
+                search.abort(self.scheduler)
+            self._beam_searches.clear()
+            self._closed = True
+            self._release()  # once: the finalizer is dead afterwards
+            self.packed = None
             self.pool.kv_caches.clear()
+            self.pool.host_caches.clear()
 
+    def __enter__(self) -> PagedGenerator:
+        return self
 
-def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, (str, torch.Tensor)):
-        return [prompts]
-    if isinstance(prompts, Sequence):
-        if not prompts:
-            raise ValueError("prompts is empty")
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-            return [list(prompts)]  # one prompt of token ids
-        return list(prompts)
-    raise TypeError(f"prompts must be a str, a list of str, or token ids, got {type(prompts).__name__}")
-
-
-def _max_positions(model: torch.nn.Module) -> int | None:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def _eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
-    eos = None
-    gen_cfg = getattr(model, "generation_config", None)
-    if gen_cfg is not None:
-        eos = gen_cfg.eos_token_id
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
+    def __exit__(self, *exc) -> None:
+        self.close()

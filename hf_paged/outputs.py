@@ -7,43 +7,133 @@ from typing import Any
 
 
 @dataclass
-class RequestOutput:
-    """The state of one request.
+class CompletionOutput:
+    """One generated sequence of a request (one of its ``n`` samples, or a beam).
 
-    From ``generate`` and ``step``, ``token_ids`` and ``text`` are everything generated so far. From
-    ``stream`` they are the delta since the previous yield.
+    ``token_ids`` is a snapshot taken without copying: the engine only ever appends to a sequence, so the
+    output keeps a reference and a length, and slices on first access.
 
     Attributes:
-        request_id: The request's id.
-        prompt_token_ids: The prompt as token ids.
-        token_ids: Generated token ids (the stop token included when the request stopped on one).
-        text: Decoded ``token_ids`` (special tokens skipped) when the engine knows a tokenizer, else None.
-        finish_reason: "stop", "length", "abort", or None while running.
-        arrival_time, first_token_time, finish_time: ``time.time()`` stamps.
-        prompt: The prompt text, when it was given as text.
+        index: Which of the request's samples (0 .. n-1).
+        token_ids: Generated token ids (the stop token included when the sequence stopped on one).
+        text: Decoded ``token_ids`` (special tokens skipped; cut before a matched stop string) when the
+            engine knows a tokenizer, else None.
+        finish_reason: "stop", "length", "abort", "error", or None while running.
+        cumulative_logprob: Sum of the tokens' log-probabilities when ``logprobs`` was asked for, else None.
+        logprobs: Per token, ``{token_id: logprob}`` of the sampled token and the most likely alternatives.
+        error: Why the sequence failed (``finish_reason == "error"``).
     """
 
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str | None
-    arrival_time: float
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    prompt: str | None = None
+    index: int
+    _source: list[int] = field(repr=False)
+    _length: int = field(repr=False)
+    finish_reason: str | None = None
+    cumulative_logprob: float | None = None
+    _logprobs_source: list[dict[int, float]] | None = field(default=None, repr=False)
+    error: str | None = None
+    stop_str: str | None = field(default=None, repr=False)
     _text: str | None = field(default=None, repr=False)
     _tokenizer: Any = field(default=None, repr=False, compare=False)
+    _tokens: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._tokens is None:
+            self._tokens = self._source[: self._length]
+        return self._tokens
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        src = self._logprobs_source
+        return None if src is None else src[: self._length]
 
     @property
     def text(self) -> str | None:
         # Decoded on first access: a batch job that only reads finished outputs never pays for the rest.
         if self._text is None and self._tokenizer is not None:
-            self._text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            if self.stop_str is not None:
+                cut = text.find(self.stop_str)
+                text = text[:cut] if cut >= 0 else text
+            self._text = text
         return self._text
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request.
+
+    From ``generate`` and ``step``, each completion's ``token_ids`` and ``text`` are everything generated
+    so far. From ``stream`` they are the delta since the previous yield. ``token_ids``, ``text`` and
+    ``finish_reason`` are the first completion's (the only one when ``n == 1``).
+
+    Attributes:
+        request_id: The request's id.
+        prompt_token_ids: The prompt as token ids.
+        outputs: One :class:`CompletionOutput` per sample (``n``), in index order.
+        finished: Every completion has finished.
+        arrival_time, first_token_time, finish_time: ``time.time()`` stamps.
+        prompt: The prompt text, when it was given as text.
+        num_cached_tokens: Prompt tokens whose KV came from the prefix cache.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason if self.finished or len(self.outputs) == 1 else None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine (``PagedGenerator.stats()``), for metrics endpoints and dashboards."""
+
+    num_running: int  # sequences scheduled or ready to be
+    num_waiting: int
+    num_swapped: int
+    num_kv_blocks: int
+    num_kv_blocks_used: int
+    num_kv_blocks_cached: int  # free blocks that still hold a cached prefix
+    kv_usage: float  # used / total
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of those, found cached
+    num_preemptions: dict[str, int]  # by mode: "recompute", "swap"
+    num_prompt_tokens: int  # prompt tokens of admitted requests
+    num_generated_tokens: int
+    num_requests_finished: int
+    num_steps: int
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
 
 
 class IncrementalDetokenizer:
@@ -120,3 +210,43 @@ class StopStringChecker:
                 i = window.find(stop, i + 1)
         self._checked = len(text)
         return None
+
+
+class DeltaTracker:
+    """Turns one completion's cumulative outputs into token and text deltas."""
+
+    def __init__(self, tokenizer, hold: int) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.hold = hold
+        self.sent = 0
+        self.emitted = 0
+
+    def delta(self, completion) -> tuple[list[int], str | None]:
+        new = completion.token_ids[self.sent :]
+        self.sent += len(new)
+        if self.detok is None:
+            return new, None
+        self.detok.add(new)
+        if completion.finished:
+            self.detok.finish()
+            final = completion.text if completion.stop_str else self.detok.text
+            text, self.emitted = final[self.emitted :], len(final)
+            return new, text
+        safe = max(self.emitted, len(self.detok.text) - self.hold)
+        text, self.emitted = self.detok.text[self.emitted : safe], safe
+        return new, text
+
+
+def delta_output(item: RequestOutput, trackers: list[DeltaTracker]) -> RequestOutput:
+    """The deltas of ``item`` since the trackers' previous call (what ``stream`` yields)."""
+    completions = []
+    for c, tracker in zip(item.outputs, trackers):
+        new, text = tracker.delta(c)
+        logprobs = c.logprobs[len(c.token_ids) - len(new) :] if c.logprobs is not None else None
+        completions.append(CompletionOutput(
+            c.index, new, len(new), c.finish_reason, c.cumulative_logprob, logprobs, c.error, c.stop_str, _text=text,
+        ))
+    return RequestOutput(
+        item.request_id, item.prompt_token_ids, completions, item.finished, item.arrival_time,
+        item.first_token_time, item.finish_time, item.prompt, item.num_cached_tokens,
+    )

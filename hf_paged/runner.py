@@ -1,18 +1,25 @@
-"""Scheduler output -> one packed ragged batch -> HF forward -> sampled tokens."""
+"""Scheduler output -> one packed ragged batch -> HF forward -> sampled tokens (a ``ModelRunnerOutput``).
+
+The runner sees plain data only (:mod:`hf_paged.core.scheduler_output`) and keeps its own per-sequence
+state (:class:`~hf_paged.sampling.SeqState`): created the first time a sequence is scheduled, dropped when
+the scheduler reports it finished.
+"""
 
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from hf_paged.attention import METADATA_KWARG, AttentionMetadata, engine_forward
-from hf_paged.cache import KVPool
-from hf_paged.core.scheduler import ScheduledRequest, SchedulerOutput
+from hf_paged.kv_pool import KVPool
+from hf_paged.core.scheduler_output import ModelRunnerOutput, SampledLogprobs, ScheduledSequence, SchedulerOutput
 from hf_paged.kernels import TorchAttentionPlan, cpu_attention
-from hf_paged.sampling import Sampler
-from hf_paged.sequence import Request
+from hf_paged.sampling import Sampler, SeqState
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -23,7 +30,7 @@ class StepInputs:
     position_ids: torch.Tensor  # [1, T]
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [N] rows of the step whose next token is sampled
-    sample_requests: list[Request]  # the N requests, in row order
+    sampled: list[ScheduledSequence]  # the N sequences, in row order
 
     @property
     def num_tokens(self) -> int:
@@ -31,7 +38,7 @@ class StepInputs:
 
 
 def pack_step(
-    scheduled: list[ScheduledRequest], block_size: int
+    scheduled: list[ScheduledSequence], block_size: int
 ) -> tuple[list[int], list[int], list[int], list[list[int]], list[int], list[int], list[int]]:
     """Pure-Python packing: token ids, positions, slots, block tables, seq_lens, cu_seqlens_q, sample rows."""
     ids: list[int] = []
@@ -43,7 +50,7 @@ def pack_step(
     sample_rows: list[int] = []
     for item in scheduled:
         start, end = item.start, item.seq_len
-        ids.extend(item.request.token_ids(start, end))
+        ids.extend(item.token_ids)
         positions.extend(range(start, end))
         table = item.block_ids
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -56,12 +63,7 @@ def pack_step(
 
 
 class ModelRunner:
-    """Runs scheduled steps on a HF model whose attention is "hf_paged".
-
-    Inputs are built as Python lists and turned into tensors once per step. The layout (a packed ``[1, T]``
-    batch, per-sequence query lengths, logits only at sampled rows) already allows several query tokens
-    per sequence in decode (speculative verification) and copying into fixed-size buffers (CUDA graphs).
-    """
+    """Runs scheduled steps on a HF model whose attention is "hf_paged"."""
 
     def __init__(self, model: torch.nn.Module, pool: KVPool, backend: str, sampler: Sampler) -> None:
         self.model = model
@@ -70,8 +72,15 @@ class ModelRunner:
         self.sampler = sampler
         self.device = pool.device
         self.block_size = pool.block_size
+        self.states: dict[int, SeqState] = {}
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._native_max_q = cpu_attention.MAX_Q if backend == "cpu" and pool.supports_native() else 0
+
+    def update_states(self, out: SchedulerOutput) -> None:
+        for seq_id in out.finished_seq_ids:
+            self.states.pop(seq_id, None)
+        for data in out.new_sequences:
+            self.states[data.seq_id] = SeqState.from_new(data)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         ids, positions, slots, tables, seq_lens, cu, sample_rows = pack_step(out.scheduled, self.block_size)
@@ -98,13 +107,12 @@ class ModelRunner:
             has_padding=False,
             torch_plan=plan,
         )
-        sample_requests = [item.request for item in out.scheduled if item.sample]
         return StepInputs(
             input_ids=torch.tensor([ids], dtype=torch.long, device=device),
             position_ids=torch.tensor([positions], dtype=torch.long, device=device),
             metadata=meta,
             logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=device),
-            sample_requests=sample_requests,
+            sampled=[item for item in out.scheduled if item.sample],
         )
 
     def compute_logits(self, inputs: StepInputs) -> torch.Tensor:
@@ -122,15 +130,76 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        """Run one step; return the sampled token(s) of each request that reached its sampling point."""
-        self.sampler.forget(out.finished_req_ids)
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: move blocks as scheduled, forward, sample."""
+        self.update_states(out)
+        self.pool.swap_out(out.swap_out)
+        self.pool.swap_in(out.swap_in)
+        self.pool.copy_blocks(out.block_copies)
         inputs = self.prepare(out)
-        if not inputs.sample_requests:
+        if not inputs.sampled:
             # Only mid-prompt chunks: the KV still has to be written, but no logits are needed.
             inputs.logits_indices = inputs.logits_indices.new_zeros(0)
         logits = self.compute_logits(inputs)
-        if not inputs.sample_requests:
-            return {}
-        tokens = self.sampler.sample(logits, inputs.sample_requests)
-        return {req.request_id: [tok] for req, tok in zip(inputs.sample_requests, tokens)}
+        if not inputs.sampled:
+            return ModelRunnerOutput()
+        return self.sample(logits, inputs.sampled)
+
+    # -- sampling -----------------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, sampled: list[ScheduledSequence]) -> ModelRunnerOutput:
+        """Tokens for the sampled rows; a row that forks (n > 1) is sampled once per sample."""
+        result = ModelRunnerOutput()
+        rows: list[int] = []
+        states: list[SeqState] = []
+        for k, item in enumerate(sampled):
+            state = self.states[item.seq_id]
+            if state.is_beam:
+                result.beam_rows[item.seq_id] = torch.log_softmax(logits[k].float(), dim=-1)
+                continue
+            rows.append(k)
+            states.append(state)
+            for index, child_id in enumerate(item.fork_seq_ids, start=1):
+                child = self.states[child_id] = state.fork(child_id, index)
+                rows.append(k)
+                states.append(child)
+        if not rows:
+            return result
+        sub = logits if rows == list(range(len(sampled))) else logits[rows]
+        scores: dict[int, torch.Tensor] = {}
+        tokens = self._sample_isolated(sub, states, scores, result.errors)
+        for i, (state, token) in enumerate(zip(states, tokens)):
+            if token is None:
+                continue
+            state.output_token_ids.append(token)
+            result.sampled_token_ids[state.seq_id] = [token]
+            if state.params.logprobs is not None:
+                result.logprobs[state.seq_id] = [_logprobs(sub[i], token, state.params.logprobs)]
+        result.scores = scores
+        return result
+
+    def _sample_isolated(
+        self, logits: torch.Tensor, states: list[SeqState], scores: dict, errors: dict[int, str]
+    ) -> list[int | None]:
+        """Sample all rows at once; if that raises, row by row, so one bad request fails alone."""
+        try:
+            return self.sampler.sample(logits, states, scores)
+        except Exception:  # noqa: BLE001 - isolate the failing row below
+            logger.debug("batched sampling failed; sampling row by row", exc_info=True)
+        tokens: list[int | None] = []
+        for i, state in enumerate(states):
+            try:
+                tokens.append(self.sampler.sample(logits[i : i + 1], [state], scores)[0])
+            except Exception as e:  # noqa: BLE001 - the request fails, the step goes on
+                logger.warning("sampling failed for sequence %s: %s", state.seq_id, e)
+                errors[state.seq_id] = f"sampling failed: {type(e).__name__}: {e}"
+                tokens.append(None)
+        return tokens
+
+
+def _logprobs(row: torch.Tensor, token: int, k: int) -> SampledLogprobs:
+    lp = torch.log_softmax(row.float(), dim=-1)
+    top = {}
+    if k > 0:
+        values, ids = lp.topk(min(k, lp.shape[-1]))
+        top = dict(zip(ids.tolist(), values.tolist()))
+    return SampledLogprobs(float(lp[token]), top)

@@ -8,10 +8,12 @@ do not depend on what else is in the batch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from hf_paged.sequence import Request
+from hf_paged.core.scheduler_output import NewSequenceData
+from hf_paged.sampling_params import SamplingParams
 
 
 def apply_top_k_top_p(
@@ -42,77 +44,101 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+@dataclass
+class SeqState:
+    """The runner's own record of a sequence: what sampling needs, kept across steps (plain data in, torch
+    out). Created from :class:`NewSequenceData`, dropped when the scheduler reports the sequence finished."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int]
+    seed_offset: int = 0
+    is_beam: bool = False
+    want_scores: bool = False
+    generator: torch.Generator | None = None
+    seen: torch.Tensor | None = field(default=None, repr=False)  # [V] bool, repetition penalty
+    seen_counted: int = 0
+
+    @classmethod
+    def from_new(cls, data: NewSequenceData) -> SeqState:
+        return cls(data.seq_id, data.prompt_token_ids, list(data.output_token_ids), data.sampling_params,
+                   data.stop_token_ids, data.seed_offset, data.is_beam, data.want_scores)
+
+    def fork(self, seq_id: int, seed_offset: int) -> SeqState:
+        """Sample ``seed_offset`` of an n > 1 request: same history, its own generator (seed + offset)."""
+        return SeqState(seq_id, self.prompt_token_ids, list(self.output_token_ids), self.params,
+                        self.stop_token_ids, seed_offset, self.is_beam, self.want_scores)
+
+    @property
+    def stop_tokens_allowed(self) -> bool:
+        return len(self.output_token_ids) >= self.params.min_tokens
+
+    def get_generator(self, device: torch.device) -> torch.Generator | None:
+        if self.params.seed is None:
+            return None
+        if self.generator is None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(self.params.seed + self.seed_offset)
+        return self.generator
+
+    def seen_mask(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """[V] bool: tokens of the prompt and output so far (updated incrementally)."""
+        if self.seen is None:
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            ids = [t for t in set(self.prompt_token_ids) if 0 <= t < vocab]
+            self.seen[ids] = True
+        new = [t for t in self.output_token_ids[self.seen_counted :] if 0 <= t < vocab]
+        if new:
+            self.seen[new] = True
+        self.seen_counted = len(self.output_token_ids)
+        return self.seen
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self._request_generators: dict[str, torch.Generator] = {}
-        self._seen: dict[str, tuple[torch.Tensor, int]] = {}  # repetition penalty: token mask, outputs counted
 
-    def forget(self, request_ids: Iterable[str]) -> None:
-        for rid in request_ids:
-            self._request_generators.pop(rid, None)
-            self._seen.pop(rid, None)
-
-    def _generator(self, request: Request) -> torch.Generator | None:
-        seed = request.sampling_params.seed
-        if seed is None:
-            return None
-        gen = self._request_generators.get(request.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-            self._request_generators[request.request_id] = gen
-        return gen
-
-    def _seen_mask(self, request: Request, vocab: int) -> torch.Tensor:
-        """[V] bool: tokens of the prompt and output so far (kept per request, updated incrementally)."""
-        entry = self._seen.get(request.request_id)
-        if entry is None:
-            mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
-            ids = [t for t in set(request.prompt_token_ids) if 0 <= t < vocab]
-            mask[ids] = True
-            entry = (mask, 0)
-        mask, counted = entry
-        new = request.output_token_ids[counted:]
-        if new:
-            mask[new] = True
-        self._seen[request.request_id] = (mask, len(request.output_token_ids))
-        return mask
-
-    def _apply_repetition_penalty(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
-        rows = [i for i, r in enumerate(requests) if r.sampling_params.repetition_penalty != 1.0]
+    def _apply_repetition_penalty(self, logits: torch.Tensor, states: Sequence[SeqState]) -> None:
+        rows = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
         if not rows:
             return
         vocab = logits.shape[-1]
         idx = torch.tensor(rows, device=logits.device)
-        seen = torch.stack([self._seen_mask(requests[i], vocab) for i in rows])
-        penalty = torch.tensor([requests[i].sampling_params.repetition_penalty for i in rows], device=logits.device)[:, None]
+        seen = torch.stack([states[i].seen_mask(vocab, logits.device) for i in rows])
+        penalty = torch.tensor([states[i].params.repetition_penalty for i in rows], device=logits.device)[:, None]
         sub = logits.index_select(0, idx)
         # HF's RepetitionPenaltyLogitsProcessor: shrink the logits of every token already seen
         penalized = torch.where(sub < 0, sub * penalty, sub / penalty)
         logits.index_copy_(0, idx, torch.where(seen, penalized, sub))
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        """Pick one token per row of ``logits [N, V]`` for ``requests[i]``."""
+    def sample(
+        self, logits: torch.Tensor, states: Sequence[SeqState], scores: dict[int, torch.Tensor] | None = None
+    ) -> list[int]:
+        """Pick one token per row of ``logits [N, V]`` for ``states[i]``.
+
+        Rows of states that want HF's ``output_scores`` leave their processed logits in ``scores``.
+        """
         logits = logits.float()
         vocab = logits.shape[-1]
-        for i, req in enumerate(requests):
-            if not req.stop_tokens_allowed and req.stop_token_ids:
-                banned = [t for t in req.stop_token_ids if t < vocab]
+        for i, st in enumerate(states):
+            if not st.stop_tokens_allowed and st.stop_token_ids:
+                banned = [t for t in st.stop_token_ids if t < vocab]
                 logits[i, banned] = float("-inf")
-        self._apply_repetition_penalty(logits, requests)
-        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        self._apply_repetition_penalty(logits, states)
+        random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if not random_rows:
-            _capture_scores(logits, requests, range(len(requests)))
+            _capture_scores(logits, states, range(len(states)), scores)
             return logits.argmax(dim=-1).tolist()
         tokens = logits.argmax(dim=-1)
-        _capture_scores(logits, requests, (i for i, r in enumerate(requests) if r.sampling_params.greedy))
-        sub_reqs = [requests[i] for i in random_rows]
+        _capture_scores(logits, states, (i for i, s in enumerate(states) if s.params.greedy), scores)
+        sub_states = [states[i] for i in random_rows]
         rows = torch.tensor(random_rows, device=logits.device)
         sub = logits.index_select(0, rows)
-        params = [r.sampling_params for r in sub_reqs]
+        params = [s.params for s in sub_states]
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         sub = sub / temps[:, None]
         top_k = top_p = None
@@ -124,12 +150,12 @@ class Sampler:
             sub = apply_top_k_top_p(sub, top_k, top_p)
         if any(p.min_p > 0 for p in params):
             sub = apply_min_p(sub, torch.tensor([p.min_p for p in params], device=logits.device))
-        _capture_scores(sub, sub_reqs, range(len(sub_reqs)))
+        _capture_scores(sub, sub_states, range(len(sub_states)), scores)
         probs = sub.softmax(dim=-1)
         noise = torch.empty_like(probs)
         unseeded = []
-        for j, req in enumerate(sub_reqs):
-            gen = self._generator(req)
+        for j, st in enumerate(sub_states):
+            gen = st.get_generator(logits.device)
             if gen is None:
                 unseeded.append(j)
             else:
@@ -141,8 +167,12 @@ class Sampler:
         return tokens.tolist()
 
 
-def _capture_scores(processed: torch.Tensor, requests: Sequence[Request], rows: Iterable[int]) -> None:
-    """Keep the processed logits row of requests that asked for them (HF ``output_scores``)."""
+def _capture_scores(
+    processed: torch.Tensor, states: Sequence[SeqState], rows: Iterable[int], scores: dict[int, torch.Tensor] | None
+) -> None:
+    """Keep the processed logits row of sequences that asked for them (HF ``output_scores``)."""
+    if scores is None:
+        return
     for i in rows:
-        if requests[i].scores is not None:
-            requests[i].scores.append(processed[i].clone())
+        if states[i].want_scores:
+            scores[states[i].seq_id] = processed[i].clone()

@@ -40,6 +40,10 @@ class SamplingParams:
             or the output by this (HF semantics); 1.0 disables, > 0.
         stop: Strings that end the request when the generated text contains one; ``RequestOutput.text``
             stops before it (the tokens are kept). Needs a tokenizer.
+        n: Number of samples of the prompt (>= 1). The prompt is prefilled once; the samples then share its
+            KV blocks until they diverge (copy-on-write). With ``seed``, sample ``i`` uses ``seed + i``.
+        logprobs: When set (>= 0), each generated token comes with its log-probability under the model
+            and the ``logprobs`` most likely alternatives (``CompletionOutput.logprobs``).
     """
 
     max_tokens: int = 16
@@ -53,6 +57,8 @@ class SamplingParams:
     min_tokens: int = 0
     repetition_penalty: float = 1.0
     stop: list[str] | None = field(default=None)
+    n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -90,6 +96,10 @@ class SamplingParams:
                 if not isinstance(text, str) or not text:
                     raise ValueError(f"stop strings must be non-empty str, got {text!r}")
 
+        _check_int("n", self.n, 1)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -100,3 +110,53 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings (HF ``generate(num_beams=...)`` semantics).
+
+    Args:
+        beam_width: Beams kept per prompt (>= 1).
+        max_tokens: Most tokens generated per beam (>= 1).
+        length_penalty: Finished beams are ranked by ``sum_logprobs / generated_len ** length_penalty``.
+        early_stopping: True: stop a prompt once ``beam_width`` beams finished; False: stop once no running
+            beam can still beat the finished ones (HF's heuristic); "never": the exact canonical test.
+        num_return_sequences: Finished beams returned per prompt (<= beam_width).
+        ignore_eos: Never finish a beam at the end-of-sequence token.
+        stop_token_ids: Extra tokens that finish a beam.
+        min_tokens: Stop tokens are forbidden before this many generated tokens.
+        repetition_penalty: HF's repetition penalty, applied to each beam's log-probabilities.
+    """
+
+    beam_width: int = 4
+    max_tokens: int = 16
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, 1)
+        _check_int("max_tokens", self.max_tokens, 1)
+        self.length_penalty = _check_float("length_penalty", self.length_penalty)
+        if self.length_penalty in (float("inf"), float("-inf")):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        _check_int("num_return_sequences", self.num_return_sequences, 1, self.beam_width)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.stop_token_ids is not None:
+            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+                raise TypeError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+            self.stop_token_ids = list(self.stop_token_ids)
+            for tok in self.stop_token_ids:
+                _check_int("stop_token_ids entry", tok, 0)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")

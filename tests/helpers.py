@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 
 import torch
 import transformers
@@ -46,6 +47,7 @@ def _cached_model(arch: str, seed: int, dtype: torch.dtype, extra: tuple):
 
 def make_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **extra):
     """A fresh (attention implementation reset) tiny random model of ``arch``."""
+    gc.collect()  # engines earlier tests dropped without close() give the model back
     model = _cached_model(arch, seed, dtype, tuple(sorted(extra.items())))
     if model.config._attn_implementation != "sdpa":
         model.set_attn_implementation("sdpa")

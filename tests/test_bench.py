@@ -31,3 +31,14 @@ def test_mixed_requests_follow_the_spec():
     assert len(prompts) == 64 and all(16 <= len(p) <= 512 for p in prompts) and all(16 <= n <= 256 for n in outs)
     assert mixed_requests() == (prompts, outs)  # seeded
     assert _static_batch_waste([[1] * 4, [1] * 2], [3, 1], 2) == round(2 * 7 / 10, 3)
+
+
+def test_prefix_workload_requests_and_fork_block_count():
+    from hf_paged.bench.workloads import fork_blocks, prefix_requests
+
+    prompts = prefix_requests()
+    assert len(prompts) == 64 and all(len(p) == 544 for p in prompts)
+    assert all(p[:512] == prompts[0][:512] for p in prompts) and len({tuple(p[512:]) for p in prompts}) == 64
+    blocks = fork_blocks(make_model("llama"), make_prompts(1, [512], seed=3)[0], n=8, new_tokens=32)
+    # 32 shared prompt blocks + 8 x 2 private vs 8 x 34 (see README)
+    assert blocks["n=8"] <= blocks["8 separate"] / 4, blocks

@@ -175,20 +175,23 @@ def test_unsupported_features_fall_back_with_one_warning(llama):
             scores[:, 100:200] = float("-inf")
             return scores
 
-    beams = dict(attention_mask=mask, max_new_tokens=7, num_beams=4, num_return_sequences=2, pad_token_id=0)
+    beam_sampling = dict(attention_mask=mask, max_new_tokens=7, num_beams=3, do_sample=True, pad_token_id=0)
     processors = dict(attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=0)
-    want_beams = llama.generate(ids, **beams)
+    torch.manual_seed(0)
+    want_sampling = llama.generate(ids, **beam_sampling)
     want_proc = llama.generate(ids, logits_processor=LogitsProcessorList([Ban()]), **processors)
     hf_paged.wrap(llama, num_blocks=256)
     _warned.clear()
-    with pytest.warns(UserWarning, match="num_beams not supported.*PagedCache"):
-        got_beams = llama.generate(ids, **beams)
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="num_beams with do_sample.*PagedCache"):
+        got_sampling = llama.generate(ids, **beam_sampling)
+    torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second time, no warning
-        again = llama.generate(ids, **beams)
+        again = llama.generate(ids, **beam_sampling)
     with pytest.warns(UserWarning, match="logits_processor"):
         got_proc = llama.generate(ids, logits_processor=LogitsProcessorList([Ban()]), **processors)
-    assert torch.equal(got_beams, want_beams) and torch.equal(again, want_beams)
+    assert torch.equal(got_sampling, want_sampling) and torch.equal(again, want_sampling)
     assert torch.equal(got_proc, want_proc)
 
 

@@ -9,8 +9,8 @@ from transformers import DynamicCache
 import hf_paged
 from hf_paged.bench.cache_memory import dynamic_cache_kv_bytes, measure_beam_memory
 from hf_paged.core.block_pool import BlockPool
-from hf_paged.core.block_tables import OutOfBlocksError
-from hf_paged.hf.paged_cache import PagedCache
+from hf_paged.core.kv_cache_manager import OutOfBlocksError
+from hf_paged.cache import PagedCache
 from tests.helpers import make_model, make_prompts
 
 KVH, D = 2, 4

@@ -1,11 +1,9 @@
 """Sampling masks against direct per-row implementations, and the sampler's distribution and seeding."""
 
-import pytest
 import torch
 
-from hf_paged.sampling import Sampler, apply_min_p, apply_top_k_top_p
+from hf_paged.sampling import Sampler, SeqState, apply_min_p, apply_top_k_top_p
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.sequence import Request
 
 
 def direct_top_k(row: torch.Tensor, k: int) -> torch.Tensor:
@@ -61,8 +59,11 @@ def test_min_p_matches_direct_implementation():
     assert got[3].isfinite().sum() == 1  # min_p = 1 keeps only the top token
 
 
-def make_req(rid, **kw):
-    return Request(rid, [1], SamplingParams(**kw))
+_ids = iter(range(10**9))
+
+
+def make_req(rid, stop_token_ids=frozenset(), **kw):
+    return SeqState(next(_ids), [1], [], SamplingParams(**kw), frozenset(stop_token_ids))
 
 
 def test_greedy_rows_take_argmax_and_sampled_rows_follow_the_distribution():
@@ -102,18 +103,21 @@ def test_seeded_rows_do_not_depend_on_neighbours():
 
 def test_min_tokens_masks_stop_tokens_even_for_greedy():
     sampler = Sampler(torch.device("cpu"))
-    req = Request("r", [1], SamplingParams(temperature=0.0, min_tokens=2, max_tokens=4), eos_token_ids=frozenset({3}))
+    req = make_req("r", temperature=0.0, min_tokens=2, max_tokens=4, stop_token_ids={3})
     logits = torch.tensor([[0.0, 1.0, 2.0, 9.0]])
     assert sampler.sample(logits.clone(), [req]) == [2]
     req.output_token_ids = [2, 2]
     assert sampler.sample(logits.clone(), [req]) == [3]
 
 
-def test_forget_drops_request_generators():
+def test_each_sequence_state_owns_its_generator():
     sampler = Sampler(torch.device("cpu"))
     req = make_req("x", temperature=1.0, seed=5)
     first = sampler.sample(torch.zeros(1, 1000), [req])
     second = sampler.sample(torch.zeros(1, 1000), [req])
-    sampler.forget(["x"])
-    assert sampler.sample(torch.zeros(1, 1000), [req]) == first
     assert first != second  # consecutive draws of one generator differ
+    fresh = make_req("x", temperature=1.0, seed=5)
+    assert sampler.sample(torch.zeros(1, 1000), [fresh]) == first
+    fork = req.fork(99, seed_offset=1)  # sample 1 of an n > 1 request: seed + 1
+    alone = make_req("y", temperature=1.0, seed=6)
+    assert sampler.sample(torch.zeros(1, 1000), [fork]) == sampler.sample(torch.zeros(1, 1000), [alone])

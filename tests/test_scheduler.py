@@ -1,106 +1,120 @@
 """Scheduling layer: exact block ids, ref counts, queue order; no torch involved."""
 
-import ast
+import dataclasses
 import random
+import subprocess
 import sys
 
 import pytest
 
-from hf_paged.core.block_pool import BlockPool
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
+from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from hf_paged.request import Request, RequestStatus
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.sequence import Request, RequestStatus
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int = 8, **kw) -> Request:
+def make_request(rid: str, prompt_len: int, max_tokens: int = 8, priority: int = 0, first: int = 1, **kw) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
-    return Request(rid, list(range(1, prompt_len + 1)), params, eos_token_ids=frozenset({0}))
+    return Request(rid, list(range(first, first + prompt_len)), params, eos_token_ids=frozenset({0}), priority=priority)
 
 
-def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, chunked=True):
-    kv = KVCacheManager(num_blocks, block_size)
-    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len, chunked)
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                   chunked=True, caching=False, host_blocks=0, **kw):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, num_host_blocks=host_blocks)
+    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len, chunked, **kw)
 
 
-def run_step(sched: Scheduler, token: int = 7):
+def sample_all(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
+    """What a runner returns: one token per sampled sequence and per sample it forks."""
+    result = ModelRunnerOutput()
+    for s in out.scheduled:
+        if s.sample:
+            for seq_id in [s.seq_id, *s.fork_seq_ids]:
+                result.sampled_token_ids[seq_id] = [token]
+    return result
+
+
+def run_step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
     """One schedule+update with a fixed sampled token, as the engine would do."""
     out = sched.schedule()
-    sampled = {s.request_id: [token] for s in out.scheduled if s.sample}
-    sched.update(out, sampled)
+    sched.update(out, sample_all(out, token))
     sched.check_consistency()
     return out
 
 
-def test_scheduling_layer_does_not_import_torch():
-    names = ("hf_paged.core.scheduler", "hf_paged.core.block_pool", "hf_paged.core.kv_cache_manager",
-             "hf_paged.sequence", "hf_paged.sampling_params")
-    for name in names:
-        tree = ast.parse(open(sys.modules[name].__file__).read())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                mods = [node.module or ""]
-            else:
-                continue
-            for mod in mods:
-                assert mod.split(".")[0] in {"hf_paged", "__future__", "collections", "dataclasses", "enum", "time"}, (
-                    f"{name} imports {mod}")
-                assert not mod.startswith("hf_paged") or mod in names or mod == "hf_paged.core.kv_cache_manager", mod
+def sched_view(sched, out):
+    """(request id, start, new tokens, sample) of each scheduled sequence."""
+    rid = {r.seq_id: r.request_id for r in [*sched.requests.values()]}
+    return [(rid.get(s.seq_id, s.seq_id), s.start, s.num_new_tokens, s.sample) for s in out.scheduled]
 
 
-def test_block_pool_fifo_and_ref_cnt():
-    pool = BlockPool(4)
-    a = pool.get_new_blocks(2)
-    assert [b.block_id for b in a] == [0, 1] and [b.ref_cnt for b in a] == [1, 1]
-    pool.incref(a[:1])
-    assert a[0].ref_cnt == 2
-    pool.free_blocks(a)
-    assert a[0].ref_cnt == 1 and a[1].ref_cnt == 0
-    assert pool.free_block_ids() == [2, 3, 1]
-    pool.free_blocks(a[:1])
-    assert pool.free_block_ids() == [2, 3, 1, 0]
-    with pytest.raises(AssertionError, match="double free"):
-        pool.free_blocks(a[:1])
-    pool.check_consistency()
+def blocks(sched, request):
+    return sched.kv.get_block_ids(request.seq_id)
+
+
+def test_scheduling_layer_imports_neither_torch_nor_transformers():
+    code = (
+        "import sys, hf_paged.core.scheduler, hf_paged.core.kv_cache_manager, hf_paged.request, "
+        "hf_paged.core.scheduler_output; "
+        "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_scheduler_output_is_plain_data():
+    sched = make_scheduler(caching=True)
+    sched.add_request(make_request("a", 5, n=2))
+    out = sched.schedule()
+
+    def walk(value):
+        assert not isinstance(value, Request), "a live Request crossed into the runner"
+        if dataclasses.is_dataclass(value):
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name))
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(k)
+                walk(v)
+        else:
+            assert isinstance(value, (int, float, str, bool, type(None), SamplingParams)), type(value)
+
+    walk(out)
+    assert out.new_sequences[0].prompt_token_ids == [1, 2, 3, 4, 5] and out.scheduled[0].fork_seq_ids == [1]
 
 
 def test_allocate_slots_exact_ids_and_none_when_full():
     kv = KVCacheManager(num_blocks=5, block_size=4)
-    r1, r2 = make_request("a", 6), make_request("b", 9)
-    assert kv.allocate_slots(r1, 6) == [0, 1]
-    assert kv.allocate_slots(r2, 9) == [2, 3, 4]
-    r1.num_computed_tokens = 6
-    assert kv.allocate_slots(r1, 2) == []  # still fits in block 1
-    r1.num_computed_tokens = 8
-    assert not kv.can_allocate(r1, 1)
-    assert kv.allocate_slots(r1, 1) is None
+    assert kv.allocate_slots("a", 0, 6) == [0, 1]
+    assert kv.allocate_slots("b", 0, 9) == [2, 3, 4]
+    assert kv.allocate_slots("a", 6, 2) == []  # still fits in block 1
+    assert not kv.can_allocate("a", 8, 1)
+    assert kv.allocate_slots("a", 8, 1) is None
     assert kv.get_block_ids("a") == [0, 1]  # unchanged by the failed call
-    kv.free(r1)
-    assert kv.pool.free_block_ids() == [1, 0]  # tail block first
-    assert kv.allocate_slots(r1, 9, num_lookahead_tokens=0) is None  # 9+8 computed = 17 tokens -> 5 blocks
-    r1.num_computed_tokens = 0
-    assert kv.allocate_slots(r1, 3, num_lookahead_tokens=4) == [1, 0]
+    kv.free("a")
+    assert kv.pool.free_block_ids() == [0, 1]  # freed blocks go to the head: reused first
+    assert kv.allocate_slots("c", 0, 3, num_lookahead=4) == [0, 1]
     kv.check_consistency()
 
 
 def test_decode_first_then_fcfs_prefill():
     sched = make_scheduler(max_num_batched_tokens=10)
-    sched.add_request(make_request("a", 3))
+    a, b, c = make_request("a", 3), make_request("b", 12), make_request("c", 2)
+    sched.add_request(a)
     out = run_step(sched)
-    assert [(s.request_id, s.start, s.num_new_tokens, s.sample) for s in out.scheduled] == [("a", 0, 3, True)]
-    sched.add_request(make_request("b", 12))
-    sched.add_request(make_request("c", 2))
+    assert sched_view(sched, out) == [("a", 0, 3, True)]
+    sched.add_request(b)
+    sched.add_request(c)
     out = run_step(sched)
     # a decodes first; b gets the rest of the budget as a chunk; c waits (budget spent)
-    assert [(s.request_id, s.num_new_tokens, s.sample) for s in out.scheduled] == [("a", 1, True), ("b", 9, False)]
+    assert sched_view(sched, out) == [("a", 3, 1, True), ("b", 0, 9, False)]
     out = run_step(sched)
-    assert [(s.request_id, s.start, s.num_new_tokens, s.sample) for s in out.scheduled] == [
-        ("a", 4, 1, True), ("b", 9, 3, True), ("c", 0, 2, True)]
-    assert sched.kv.get_block_ids("a") == [0, 4]
-    assert sched.kv.get_block_ids("b") == [1, 2, 3]
-    assert sched.kv.get_block_ids("c") == [5]
+    assert sched_view(sched, out) == [("a", 4, 1, True), ("b", 9, 3, True), ("c", 0, 2, True)]
+    assert blocks(sched, a) == [0, 4] and blocks(sched, b) == [1, 2, 3] and blocks(sched, c) == [5]
 
 
 def test_max_num_seqs_caps_running():
@@ -108,7 +122,7 @@ def test_max_num_seqs_caps_running():
     for i in range(3):
         sched.add_request(make_request(str(i), 2))
     out = run_step(sched)
-    assert [s.request_id for s in out.scheduled] == ["0", "1"]
+    assert [x[0] for x in sched_view(sched, out)] == ["0", "1"]
     assert [r.request_id for r in sched.waiting] == ["2"]
 
 
@@ -117,9 +131,26 @@ def test_no_chunking_waits_for_budget():
     sched.add_request(make_request("a", 6))
     sched.add_request(make_request("b", 5))
     out = run_step(sched)
-    assert [s.request_id for s in out.scheduled] == ["a"]
+    assert [x[0] for x in sched_view(sched, out)] == ["a"]
     with pytest.raises(ValueError, match="chunked prefill is disabled"):
         sched.add_request(make_request("c", 9))
+
+
+def test_no_chunking_still_resumes_a_preempted_request_longer_than_the_budget():
+    """The recompute of prompt + output may exceed max_num_batched_tokens: it must not block the queue."""
+    sched = make_scheduler(num_blocks=6, block_size=2, max_num_batched_tokens=4, max_model_len=12, chunked=False)
+    a, b = make_request("a", 3, max_tokens=6), make_request("b", 3, max_tokens=6)
+    sched.add_request(a)
+    sched.add_request(b)
+    seen = []
+    for _ in range(40):
+        if not sched.has_unfinished_requests():
+            break
+        out = run_step(sched)
+        if out.preempted_seq_ids:
+            seen.append((b.num_tokens, out.preempted_seq_ids))
+    assert seen and seen[0] == (6, [b.seq_id])  # b holds 6 tokens, more than the 4-token budget
+    assert a.num_output_tokens == 6 and b.num_output_tokens == 6
 
 
 def test_preemption_of_newest_and_exact_resume():
@@ -129,16 +160,16 @@ def test_preemption_of_newest_and_exact_resume():
     sched.add_request(a)
     sched.add_request(b)
     run_step(sched, token=11)  # prefill both: blocks a=[0,1] b=[2,3]; each has 4 tokens now
-    assert sched.kv.get_block_ids("a") == [0, 1] and sched.kv.get_block_ids("b") == [2, 3]
+    assert blocks(sched, a) == [0, 1] and blocks(sched, b) == [2, 3]
     out = run_step(sched, token=12)  # decode: a and b each write slot 3 (inside their 2nd block)
-    assert out.preempted_req_ids == []
+    assert out.preempted_seq_ids == []
     out = run_step(sched, token=13)  # a needs a 3rd block: b (newest) is preempted
-    assert out.preempted_req_ids == ["b"]
-    assert [s.request_id for s in out.scheduled] == ["a"]
+    assert out.preempted_seq_ids == [b.seq_id] and sched.num_preemptions == {"recompute": 1, "swap": 0}
+    assert sched_view(sched, out) == [("a", 4, 1, True)]
     assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    # b's blocks went back tail first (3, then 2); a takes the head of the free queue
-    assert sched.kv.get_block_ids("a") == [0, 1, 3]
-    assert sched.kv.pool.free_block_ids() == [2]
+    # b's blocks went back tail first (3, then 2) to the head; a takes the head of the free queue
+    assert blocks(sched, a) == [0, 1, 2]
+    assert sched.kv.pool.free_block_ids() == [3]
     assert b.output_token_ids == [11, 12]
     assert list(sched.waiting) == [b]
     while not a.is_finished:
@@ -146,12 +177,54 @@ def test_preemption_of_newest_and_exact_resume():
     assert a.output_token_ids == [11, 12, 13, 14] and a.status is RequestStatus.FINISHED_LENGTH
     # b resumes: its prompt and both generated tokens are prefilled again, then decoding continues
     out = run_step(sched, token=15)
-    assert [(s.request_id, s.start, s.num_new_tokens, s.sample) for s in out.scheduled] == [("b", 0, 5, True)]
-    assert out.scheduled[0].request.token_ids(0, 5) == [1, 2, 3, 11, 12]
+    assert sched_view(sched, out) == [("b", 0, 5, True)]
+    assert out.scheduled[0].token_ids == [1, 2, 3, 11, 12]
+    assert out.new_sequences == []  # the runner kept b's state across the preemption
     while not b.is_finished:
         run_step(sched, token=16)
     assert b.output_token_ids == [11, 12, 15, 16]
     assert sched.kv.num_free_blocks == 4
+
+
+def test_swap_preemption_copies_blocks_out_and_back():
+    sched = make_scheduler(num_blocks=4, block_size=2, max_model_len=8, host_blocks=4, preemption_mode="swap")
+    a, b = make_request("a", 3, max_tokens=4), make_request("b", 3, max_tokens=4)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched, token=11)
+    run_step(sched, token=12)
+    out = run_step(sched, token=13)
+    assert out.preempted_seq_ids == [b.seq_id] and out.swap_out == [(2, 0), (3, 1)]
+    assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens == 4 and sched.swapped == [b]
+    assert sched.num_preemptions == {"recompute": 0, "swap": 1}
+    while not a.is_finished:
+        out = run_step(sched, token=14)
+        assert not out.swap_in  # no room while a runs
+    out = run_step(sched, token=15)
+    assert out.swap_in == [(0, 0), (1, 1)] and sched_view(sched, out) == [("b", 4, 1, True)]
+    assert blocks(sched, b) == [0, 1, 2]  # its two blocks back, plus one for the new token
+    while not b.is_finished:
+        run_step(sched, token=16)
+    assert b.output_token_ids == [11, 12, 15, 16] and sched.kv.num_free_blocks == 4
+
+
+def test_auto_preemption_swaps_samples_of_a_group_and_recomputes_singles():
+    sched = make_scheduler(num_blocks=8, block_size=2, max_model_len=12, host_blocks=8, preemption_mode="auto")
+    group = make_request("g", 3, max_tokens=8, n=2)
+    single = make_request("s", 3, max_tokens=8)
+    sched.add_request(group)
+    sched.add_request(single)
+    modes: dict[str, set] = {"g": set(), "s": set()}
+    for _ in range(60):
+        if not sched.has_unfinished_requests():
+            break
+        out = run_step(sched)
+        for seq_id in out.preempted_seq_ids:
+            victim = sched.requests[seq_id]
+            modes[victim.request_id].add(victim.status)
+    assert modes["g"] <= {RequestStatus.SWAPPED} and modes["s"] <= {RequestStatus.PREEMPTED}
+    assert modes["g"] or modes["s"]  # the pool really ran out
+    assert sched.kv.num_free_blocks == 8
 
 
 def test_request_that_cannot_fit_is_rejected():
@@ -162,10 +235,9 @@ def test_request_that_cannot_fit_is_rejected():
         make_scheduler(max_model_len=8).add_request(make_request("long", 9))
     with pytest.raises(ValueError, match="empty"):
         sched.add_request(make_request("empty", 0))
-    sched.add_request(make_request("ok", 4, max_tokens=5))
-    with pytest.raises(ValueError, match="already in use"):
-        sched.add_request(make_request("ok", 4, max_tokens=5))
-    assert list(sched.requests) == ["ok"]
+    ok = make_request("ok", 4, max_tokens=5)
+    sched.add_request(ok)
+    assert list(sched.requests) == [ok.seq_id]
 
 
 def test_stop_conditions():
@@ -176,11 +248,11 @@ def test_stop_conditions():
     for r in (eos, minimum, stop):
         sched.add_request(r)
     out = sched.schedule()
-    sched.update(out, {"eos": [0], "min": [0], "stop": [0]})
+    sched.update(out, ModelRunnerOutput({eos.seq_id: [0], minimum.seq_id: [0], stop.seq_id: [0]}))
     assert eos.status is RequestStatus.FINISHED_STOPPED and eos.output_token_ids == [0]
     assert not minimum.is_finished and not stop.is_finished  # min_tokens; ignore_eos
     out = sched.schedule()
-    sched.update(out, {"min": [0], "stop": [9]})
+    sched.update(out, ModelRunnerOutput({minimum.seq_id: [0], stop.seq_id: [9]}))
     assert minimum.status.finish_reason == "stop" and stop.status.finish_reason == "stop"
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
@@ -200,11 +272,11 @@ def test_abort_waiting_and_running():
     sched.add_request(a)
     sched.add_request(b)
     run_step(sched)
-    assert sched.abort_request("b") is b and b.status.finish_reason == "abort"
-    assert sched.abort_request("a") is a
-    assert sched.abort_request("a") is None and sched.abort_request("zzz") is None
+    assert sched.abort_request(b.seq_id) is b and b.status.finish_reason == "abort"
+    assert sched.abort_request(a.seq_id) is a
+    assert sched.abort_request(a.seq_id) is None and sched.abort_request(999) is None
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
-    assert sched.schedule().finished_req_ids == ["b", "a"]
+    assert sched.schedule().finished_seq_ids == [a.seq_id]  # b never reached the runner
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -212,7 +284,7 @@ def test_random_add_abort_step_never_leaks(seed):
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=rng.randint(6, 20), block_size=rng.choice([1, 2, 4]),
                            max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 24), max_model_len=40)
-    live: list[str] = []
+    live: list[int] = []
     n = 0
     for _ in range(300):
         op = rng.random()
@@ -221,16 +293,15 @@ def test_random_add_abort_step_never_leaks(seed):
             n += 1
             try:
                 sched.add_request(r)
-                live.append(r.request_id)
+                live.append(r.seq_id)
             except ValueError:
                 pass
         elif op < 0.35 and live:
             sched.abort_request(rng.choice(live))
         else:
             out = sched.schedule()
-            sampled = {s.request_id: [rng.randint(0, 3)] for s in out.scheduled if s.sample}
-            sched.update(out, sampled)
-        live = [rid for rid in live if rid in sched.requests]
+            sched.update(out, sample_all(out, rng.randint(0, 3)))
+        live = [sid for sid in live if sid in sched.requests]
         sched.check_consistency()
     for rid in list(sched.requests):
         sched.abort_request(rid)
@@ -251,4 +322,55 @@ def test_every_request_finishes_under_pressure():
         out = run_step(sched)
         assert out.scheduled, "no progress with requests pending"
     assert all(r.status.finish_reason == "length" and r.num_output_tokens == 8 for r in reqs)
-    assert sched.num_preemptions > 0
+    assert sum(sched.num_preemptions.values()) > 0
+
+
+def test_priority_policy_admits_and_preempts_by_priority_then_arrival():
+    sched = make_scheduler(num_blocks=6, block_size=2, max_num_seqs=2, max_model_len=12, scheduling_policy="priority")
+    low, high, mid = make_request("low", 3, priority=5), make_request("high", 3, priority=-1), make_request("mid", 3, priority=1)
+    for r in (low, high, mid):
+        sched.add_request(r)
+    out = run_step(sched)
+    assert [x[0] for x in sched_view(sched, out)] == ["high", "mid"]  # low waits despite arriving first
+    assert [r.request_id for r in sched.running] == ["high", "mid"]
+    victims = []
+    for _ in range(40):
+        running = {r.seq_id: r.priority for r in sched.running}
+        out = run_step(sched)
+        for seq_id in out.preempted_seq_ids:  # always the lowest priority of those running
+            victims.append(seq_id)
+            assert running[seq_id] == max(running.values())
+    assert victims and high.seq_id not in victims
+    assert high.is_finished and mid.is_finished and low.is_finished
+
+
+def test_n_samples_prefill_once_then_fork_and_share_blocks():
+    sched = make_scheduler(block_size=4, caching=True)
+    r = make_request("r", 6, max_tokens=4, n=3)
+    sched.add_request(r)
+    out = sched.schedule()
+    assert sched_view(sched, out) == [("r", 0, 6, True)] and out.scheduled[0].fork_seq_ids == [1, 2]
+    result = ModelRunnerOutput({r.seq_id: [10], 1: [11], 2: [12]})
+    changed = sched.update(out, result)
+    assert sorted((c.index, c.output_token_ids) for c in changed) == [(0, [10]), (1, [11]), (2, [12])]
+    kids = [sched.requests[1], sched.requests[2]]
+    assert all(k.request_id == "r" and blocks(sched, k) == [0, 1] for k in kids)
+    assert [b.ref_cnt for b in sched.kv.pool.blocks[:2]] == [3, 3]
+    out = sched.schedule()  # each sample writes token 6 into the shared partial block 1: two copies
+    assert sorted(out.block_copies) == [(1, 2), (1, 3)]
+    assert {tuple(s.block_ids) for s in out.scheduled} == {(0, 2), (0, 3), (0, 1)}
+    assert [b.ref_cnt for b in sched.kv.pool.blocks[:4]] == [3, 1, 1, 1]
+    sched.check_consistency()
+
+
+def test_admission_starts_after_the_cached_prefix():
+    sched = make_scheduler(block_size=4, caching=True)
+    a = make_request("a", 10, max_tokens=2)
+    sched.add_request(a)
+    while not a.is_finished:
+        run_step(sched)
+    b = make_request("b", 13, max_tokens=2)  # shares a's first 10 tokens: 2 full blocks cached
+    sched.add_request(b)
+    out = run_step(sched)
+    assert sched_view(sched, out) == [("b", 8, 5, True)] and b.num_cached_tokens == 8
+    assert sched.kv.prefix_queries == 23 and sched.kv.prefix_hits == 8

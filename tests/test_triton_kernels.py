@@ -298,14 +298,9 @@ def test_kernels_compile_for_nvidia_targets():
 
 
 def test_benchmark_script_runs_in_the_interpreter():
-    """benchmarks/kernels.py is for GPUs; here only its argument parsing and one tiny interpreted run."""
-    import importlib.util
+    """hf_paged/bench/kernels.py is for GPUs; here only its argument parsing and one tiny interpreted run."""
+    from hf_paged.bench import kernels as bench
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses look their module up there
-    spec.loader.exec_module(bench)
     assert bench.parse_args([]).device == "cuda"
     rows = bench.main(["--device", "cpu", "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--batch-sizes", "2",
                        "--context-lens", "40", "--prefill-batch-sizes", "1", "--prefill-lens", "20"])

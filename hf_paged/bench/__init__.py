@@ -1,4 +1,4 @@
-"""``hf-paged bench WORKLOAD``: the standard workloads of BENCHMARKS.md against their baselines, in one run."""
+"""``hf-paged bench WORKLOAD``: the standard workloads of docs/benchmarks.md against their baselines, in one run."""
 
 from hf_paged.bench.workloads import WORKLOADS
 

@@ -1,4 +1,4 @@
-"""The HuggingFace baselines of BENCHMARKS.md, each timed from first submission to last token."""
+"""The HuggingFace baselines of docs/benchmarks.md, each timed from first submission to last token."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from hf_paged.hf.paged_cache import PagedCache
+from hf_paged.cache import PagedCache
 
 
 @dataclass

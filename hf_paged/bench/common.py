@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 REPO_DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "chat_prompts.jsonl"
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "bench" / "chat_prompts.jsonl"
 
 
 @dataclass
@@ -31,7 +30,7 @@ class SystemResult:
 def chat_prompts_path(path: str | None = None) -> Path:
     if path:
         return Path(path)
-    return SHARED_DATA if SHARED_DATA.is_file() else REPO_DATA
+    return REPO_DATA
 
 
 def load_chat_messages(path: str | None = None) -> list[list[dict]]:

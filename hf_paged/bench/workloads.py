@@ -1,4 +1,4 @@
-"""The standard workloads of BENCHMARKS.md: ``chat``, ``mixed`` and ``latency``."""
+"""The standard workloads (docs/benchmarks.md): ``chat``, ``mixed``, ``latency`` and ``prefix``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def run_engine(model, prompts, params, engine_kw: dict, track_kv: bool = False) 
     """Time hf_paged from first submission to last token; optionally track KV allocation per step."""
     engine = PagedGenerator(model, **engine_kw)
     engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
+    engine.kv_manager.reset_prefix_cache()  # the timed run starts cold
     params = params if isinstance(params, list) else [params] * len(prompts)
     peak = (0, 1)
     start = time.perf_counter()
@@ -36,8 +37,10 @@ def run_engine(model, prompts, params, engine_kw: dict, track_kv: bool = False) 
             if allocated > peak[0] and held:
                 peak = (allocated, held)
     seconds = time.perf_counter() - start
-    stats = {"steps": engine.num_steps, "preemptions": engine.scheduler.num_preemptions,
-             "kv_waste": round(peak[0] / peak[1], 3) if track_kv else None}
+    engine_stats = engine.stats()
+    stats = {"steps": engine.num_steps, "preemptions": sum(engine.scheduler.num_preemptions.values()),
+             "kv_waste": round(peak[0] / peak[1], 3) if track_kv else None,
+             "prefix_cache_hit_rate": round(engine_stats.prefix_cache_hit_rate, 3)}
     engine.close()
     outputs = [done[i] for i in ids]
     return SystemResult(ENGINE, sum(len(o) for o in outputs), seconds, {"steps": stats["steps"]}), outputs, stats
@@ -158,10 +161,63 @@ def latency(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = Non
     return print_report("latency", dtype, results, ENGINE, {"ms_per_output_token": ms})
 
 
+def prefix_requests(n: int = 64, prefix_len: int = 512, suffix_len: int = 32, seed: int = 0, vocab: int = 32000):
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(prefix_len)]
+    return [shared + [rng.randrange(3, vocab) for _ in range(suffix_len)] for _ in range(n)]
+
+
+def prefix(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, **_) -> dict:
+    """64 requests sharing a 512-token prefix (unique 32-token suffixes), 32 new tokens each."""
+    model = mixed_model(parse_dtype(dtype))
+    prompts = prefix_requests()
+    limits = [32] * len(prompts)
+    want = systems or {"no_prefix_cache", "generate_batch", ENGINE}
+    results = []
+    _warm_hf(model, prompts, 0)
+    if "generate_batch" in want:
+        results.append(best_of(repeat, lambda: hf_generate_batch(model, prompts, limits, None)[0]))
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    off_outputs = None
+    if "no_prefix_cache" in want:
+        runs = [run_engine(model, prompts, params, dict(max_num_seqs=64, enable_prefix_caching=False))
+                for _ in range(max(1, repeat))]
+        res, off_outputs, _ = min(runs, key=lambda r: r[0].seconds)
+        res.system = "hf_paged, prefix caching off"
+        results.append(res)
+    runs = [run_engine(model, prompts, params, dict(max_num_seqs=64)) for _ in range(max(1, repeat))]
+    res, outputs, stats = min(runs, key=lambda r: r[0].seconds)
+    results.append(res)
+    extra = {"requests": len(prompts), "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"]}
+    if off_outputs is not None:
+        extra["same_tokens_as_prefix_caching_off"] = f"{sum(a == b for a, b in zip(outputs, off_outputs))}/{len(prompts)}"
+    extra["kv_blocks_n8_vs_8_separate"] = fork_blocks(model, prompts[0])
+    return print_report("prefix", dtype, results, ENGINE, extra)
+
+
+def fork_blocks(model, prompt: list[int], n: int = 8, new_tokens: int = 32) -> dict:
+    """Peak KV blocks of one request with ``n`` samples vs ``n`` separate requests (prefix caching off, so
+    only the fork shares), block size 16."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=0)
+    peaks = {}
+    for label, requests in (("n=8", [params.clone(n=n)]), ("8 separate", [params.clone(seed=i) for i in range(n)])):
+        engine = PagedGenerator(model, block_size=16, num_blocks=1024, max_num_seqs=n, enable_prefix_caching=False)
+        for sp in requests:
+            engine.add_request(prompt, sp)
+        peak = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            peak = max(peak, engine.kv_manager.num_used_blocks)
+        engine.close()
+        peaks[label] = peak
+    peaks["ratio"] = round(peaks["n=8"] / peaks["8 separate"], 3)
+    return peaks
+
+
 def _as_list(x) -> list[int]:
     if x is None:
         return []
     return [x] if isinstance(x, int) else list(x)
 
 
-WORKLOADS = {"chat": chat, "mixed": mixed, "latency": latency}
+WORKLOADS = {"chat": chat, "mixed": mixed, "latency": latency, "prefix": prefix}

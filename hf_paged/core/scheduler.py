@@ -1,54 +1,80 @@
-"""Continuous batching: which tokens of which request run this step (pure Python)."""
+"""Continuous batching: which tokens of which sequence run this step (pure Python).
+
+One rule drives everything: bring each sequence's ``num_computed_tokens`` up to its ``num_tokens``. Each
+step, in order and under a token budget and a sequence cap:
+
+1. running sequences (a decode token, or the next prompt chunk), in scheduling order; when blocks run out
+   the last one in that order is preempted (recompute: its blocks are freed and it is prefilled again
+   later; swap: its blocks are copied to host memory);
+2. swapped-out sequences, brought back when their blocks fit;
+3. waiting requests, in order, starting after their longest cached prefix, long prompts in chunks.
+
+Scheduling order is arrival (``scheduling_policy="fcfs"``) or ``(priority, arrival)`` with lower values
+first (``"priority"``, vLLM's convention); the victim of a preemption is always the last in that order.
+"""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 from hf_paged.core.kv_cache_manager import KVCacheManager
-from hf_paged.sequence import Request, RequestStatus
+from hf_paged.core.scheduler_output import ModelRunnerOutput, NewSequenceData, ScheduledSequence, SchedulerOutput
+from hf_paged.request import Request, RequestStatus
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: ``num_new_tokens`` tokens starting at position ``start``."""
+class WaitingQueue:
+    """Requests waiting for admission: arrival order (preempted ones in front), or by (priority, arrival)."""
 
-    request: Request
-    start: int
-    num_new_tokens: int
-    block_ids: list[int]
-    sample: bool  # the step reaches the end of the known tokens, so a token is sampled
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fcfs: deque[Request] = deque()
+        self._sorted: list[tuple[tuple, Request]] = []
 
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    def __len__(self) -> int:
+        return len(self._fcfs) + len(self._sorted)
 
-    @property
-    def seq_len(self) -> int:
-        return self.start + self.num_new_tokens
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._fcfs) if self.policy == "fcfs" else (r for _, r in self._sorted)
 
+    def push(self, request: Request, front: bool = False) -> None:
+        if self.policy == "fcfs":
+            self._fcfs.appendleft(request) if front else self._fcfs.append(request)
+        else:
+            bisect.insort(self._sorted, (request.sort_key(), request), key=lambda e: e[0])
 
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted_req_ids: list[str] = field(default_factory=list)
-    finished_req_ids: list[str] = field(default_factory=list)
+    def peek(self) -> Request:
+        return self._fcfs[0] if self.policy == "fcfs" else self._sorted[0][1]
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    def pop(self) -> Request:
+        return self._fcfs.popleft() if self.policy == "fcfs" else self._sorted.pop(0)[1]
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fcfs.remove(request)
+        else:
+            self._sorted = [e for e in self._sorted if e[1] is not request]
 
 
 class Scheduler:
-    """FCFS continuous batching under a token budget and a sequence cap.
+    """Continuous batching over one :class:`KVCacheManager`.
 
-    Each step: running requests first, in admission order (their decode token, or the next chunk of a
-    prompt still being prefilled), then waiting requests in arrival order, a long prompt split into chunks.
-    When the pool runs dry the most recently admitted running request is preempted by recompute: its
-    blocks are freed and it goes back to the front of the waiting queue with its generated tokens, to be
-    prefilled again and resume exactly where it stopped.
+    Args:
+        kv_cache_manager: The block manager (with prefix caching and a host pool if those are on).
+        max_num_seqs: Most sequences running at once.
+        max_num_batched_tokens: Token budget of one step.
+        max_model_len: Longest sequence (prompt + output).
+        enable_chunked_prefill: Split prompts over steps. When off, a prompt runs whole in one step; a
+            preempted sequence's recompute (prompt + output) may still span steps, or it could never resume.
+        scheduling_policy: "fcfs" or "priority".
+        preemption_mode: "recompute", "swap" (falls back to recompute when the host pool is full) or "auto"
+            (swap the members of a group, i.e. n > 1 samples and beams, recompute single sequences).
     """
 
     def __init__(
@@ -58,23 +84,39 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        scheduling_policy: str = "fcfs",
+        preemption_mode: str = "recompute",
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self._finished_since_schedule: list[str] = []
-        self.num_preemptions = 0
+        self.policy = scheduling_policy
+        self.preemption_mode = preemption_mode
+        self.waiting = WaitingQueue(scheduling_policy)
+        self.running: list[Request] = []  # in scheduling order
+        self.swapped: list[Request] = []  # in scheduling order
+        self.requests: dict[int, Request] = {}  # seq_id -> every live sequence
+        self._seq_ids = itertools.count()
+        self._known: set[int] = set()  # sequences the runner has state for
+        self._finished_since_schedule: list[int] = []
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+        self.num_prompt_tokens = 0  # of requests admitted (first admission only)
+        self.num_generated_tokens = 0
 
     # -- intake -------------------------------------------------------------------------------------
+    def next_seq_id(self) -> int:
+        return next(self._seq_ids)
+
     def check_request(self, request: Request) -> None:
         """Raise ValueError if the request can never run; nothing is changed."""
         n = request.num_prompt_tokens
@@ -87,39 +129,36 @@ class Scheduler:
                 f"prompt has {n} tokens, more than max_num_batched_tokens={self.max_num_batched_tokens} "
                 "and chunked prefill is disabled"
             )
-        # The most slots the request can ever hold: it stops at max_model_len tokens, and the last
+        # The most slots a sequence can ever hold: it stops at max_model_len tokens, and the last
         # sampled token is never fed back.
-        longest = min(n + request.sampling_params.max_tokens - 1, self.max_model_len)
-        longest = max(longest, n)
+        longest = max(min(n + request.sampling_params.max_tokens - 1, self.max_model_len), n)
         if self.kv.blocks_for_tokens(longest) > self.kv.num_blocks:
             raise ValueError(
                 f"request needs up to {longest} tokens of KV, more than the whole pool "
                 f"({self.kv.num_blocks} blocks x {self.kv.block_size} tokens)"
             )
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
 
     def add_request(self, request: Request) -> None:
         self.check_request(request)
+        if request.seq_id is None:
+            request.seq_id = self.next_seq_id()
+        assert request.seq_id not in self.requests, f"sequence {request.seq_id} is already live"
         request.status = RequestStatus.WAITING
         request.max_model_len = self.max_model_len
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.requests[request.seq_id] = request
+        self.waiting.push(request)
 
-    def abort_request(self, request_id: str) -> Request | None:
-        """Finish a request as aborted and free its blocks; None if it is unknown or already finished."""
-        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+    def abort_request(self, seq_id: int) -> Request | None:
+        """Finish a sequence as aborted and free its blocks; None if it is unknown or already finished."""
+        return self.finish_request(seq_id, RequestStatus.FINISHED_ABORTED)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Finish a live request with ``status`` (e.g. a stop string the engine matched) and free its blocks."""
+    def finish_request(self, seq_id: int, status: RequestStatus) -> Request | None:
+        """Finish a live sequence with ``status`` (a stop string, an error, an abort) and free its blocks."""
         assert status.finished, f"{status} is not a finished status"
-        request = self.requests.get(request_id)
+        request = self.requests.get(seq_id)
         if request is None:
             return None
-        if request in self.running:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
+        self._remove_from_queue(request)
         self._finish(request, status)
         return request
 
@@ -132,100 +171,219 @@ class Scheduler:
 
     # -- the step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_since_schedule)
+        out = SchedulerOutput(finished_seq_ids=self._finished_since_schedule)
         self._finished_since_schedule = []
-        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted_seq_ids:  # a step that had to preempt has no room to bring anyone in
+            budget = self._schedule_swapped(out, budget)
+            if not self.swapped:
+                budget = self._schedule_waiting(out, budget)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        out.block_copies = self.kv.take_copies()
+        return out
 
-        # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_num_seqs:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_new > 0, f"{request} has nothing to compute"
-            while self.kv.allocate_slots(request, num_new) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted_req_ids.append(victim.request_id)
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new == 0:  # a beam waiting for the beam search to pick its next token
+                i += 1
+                continue
+            num_new = min(num_new, budget)
+            while self.kv.allocate_slots(request.seq_id, request.num_computed_tokens, num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(self._scheduled(request, num_new))
+                self._schedule(out, request, num_new)
                 budget -= num_new
                 i += 1
+        return budget
 
-        # 2. Waiting requests in arrival order (preempted ones are at the front), unless this step had
-        #    to preempt: then the pool is too tight to admit anything.
-        while self.waiting and not out.preempted_req_ids and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            num_new = request.num_tokens - request.num_computed_tokens
-            if num_new > budget and not self.enable_chunked_prefill:
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(out.scheduled) < self.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            extra = self.kv.blocks_for_tokens(request.num_computed_tokens + num_new) - len(
+                self.kv.host_tables[request.seq_id]
+            )
+            if not self.kv.can_swap_in(request.seq_id, max(0, extra)):
                 break
-            num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new) is None:
-                break
-            self.waiting.popleft()
+            out.swap_in.extend(self.kv.swap_in(request.seq_id))
+            self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(self._scheduled(request, num_new))
+            self._insert_running(request)
+            if num_new > 0:
+                assert self.kv.allocate_slots(request.seq_id, request.num_computed_tokens, num_new) is not None
+                self._schedule(out, request, num_new)
+                budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(out.scheduled) < self.max_num_seqs:
+            request = self.waiting.peek()
+            cached, hashes = self.kv.find_cached_prefix(request.all_token_ids())
+            num_computed = len(cached) * self.kv.block_size
+            num_new = request.num_tokens - num_computed
+            if num_new > budget and not self.enable_chunked_prefill and not request.output_token_ids:
+                break  # a prompt runs whole when chunking is off (a recompute may span steps)
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request.seq_id, num_computed, num_new, cached, hashes) is None:
+                break
+            self.waiting.pop()
+            if request.num_preemptions == 0:
+                self.num_prompt_tokens += request.num_prompt_tokens
+                request.num_cached_tokens = num_computed
+                self.kv.record_prefix_query(request.num_prompt_tokens, min(num_computed, request.num_prompt_tokens))
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self._insert_running(request)
+            self._schedule(out, request, num_new)
             budget -= num_new
+        return budget
 
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
-        return out
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens
+        if request.seq_id not in self._known:
+            self._known.add(request.seq_id)
+            out.new_sequences.append(NewSequenceData(
+                request.seq_id, request.prompt_token_ids, list(request.output_token_ids), request.sampling_params,
+                request.stop_token_ids, request.index, request.is_beam, request.scores is not None,
+            ))
+        forks = []
+        if sample and not request.forked:
+            forks = [self.next_seq_id() for _ in range(request.sampling_params.n - 1)]
+        out.scheduled.append(ScheduledSequence(
+            request.seq_id, start, request.token_ids(start, start + num_new), self.kv.get_block_ids(request.seq_id),
+            sample, fork_seq_ids=forks,
+        ))
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish what stopped.
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance computed tokens, fork samples, append sampled tokens, finish what stopped or failed.
 
-        Returns the requests that received tokens or finished this step.
+        Returns the sequences that received tokens, forked, or finished this step.
         """
         now = time.time()
-        changed = []
+        changed: list[Request] = []
         for item in out.scheduled:
-            request = item.request
-            if request.status is not RequestStatus.RUNNING:
+            request = self.requests.get(item.seq_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens = item.seq_len
-            tokens = sampled.get(request.request_id)
-            if not tokens:
+            self.kv.cache_blocks(request.seq_id, request, request.num_computed_tokens)
+            if item.fork_seq_ids and not request.forked:
+                request.forked = True
+                for index, child_id in enumerate(item.fork_seq_ids, start=1):
+                    if child_id not in result.sampled_token_ids:
+                        continue
+                    child = self.fork_sequence(request, index, child_id)
+                    self._known.add(child_id)  # the runner made its state when it sampled for it
+                    self.append_tokens(child, result.sampled_token_ids[child_id], result, now)
+                    changed.append(child)
+            error = result.errors.get(item.seq_id)
+            if error is not None:
+                request.error = error
+                self.finish_request(request.seq_id, RequestStatus.FINISHED_ERROR)
+                changed.append(request)
                 continue
-            for token in tokens:
-                status = request.append_output_token(token, now)
-                if status is not None:
-                    self.running.remove(request)
-                    self._finish(request, status, now)
-                    break
-            changed.append(request)
+            tokens = result.sampled_token_ids.get(item.seq_id)
+            if tokens:
+                self.append_tokens(request, tokens, result, now)
+                changed.append(request)
         return changed
 
-    # -- helpers ------------------------------------------------------------------------------------
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        return ScheduledRequest(
-            request=request,
-            start=start,
-            num_new_tokens=num_new,
-            block_ids=self.kv.get_block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
-        )
+    # -- sequences of a group (n > 1, beams) ------------------------------------------------------------
+    def fork_sequence(self, parent: Request, index: int, seq_id: int | None = None) -> Request:
+        """A sibling of ``parent`` sharing its blocks (copy-on-write), behind it in scheduling order."""
+        child = parent.fork(self.next_seq_id() if seq_id is None else seq_id, index)
+        self.requests[child.seq_id] = child
+        if parent.seq_id in self.kv.tables:
+            self.kv.fork(parent.seq_id, child.seq_id)
+            child.status = RequestStatus.RUNNING
+            self._insert_running(child)
+        else:  # the parent was preempted (its KV dropped or on the host): the child recomputes its own
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.push(child, front=True)
+        return child
 
-    def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
+    def append_tokens(
+        self, request: Request, tokens: list[int], result: ModelRunnerOutput | None = None, now: float | None = None
+    ) -> None:
+        """Append tokens one by one, stopping (and finishing the sequence) at the first that ends it."""
+        logprobs = result.logprobs.get(request.seq_id) if result is not None else None
+        for k, token in enumerate(tokens):
+            if logprobs is not None and k < len(logprobs):
+                request.cumulative_logprob += logprobs[k].token_logprob
+                if request.logprobs is not None:
+                    request.logprobs.append({token: logprobs[k].token_logprob, **logprobs[k].top})
+            status = request.append_output_token(token, now)
+            self.num_generated_tokens += 1
+            if status is not None:
+                self._remove_from_queue(request)
+                self._finish(request, status, now)
+                break
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _insert_running(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self.running.append(request)
+        else:
+            bisect.insort(self.running, request, key=Request.sort_key)
+
+    def _preemption_mode(self, request: Request) -> str:
+        if self.preemption_mode == "auto":
+            grouped = request.sampling_params.n > 1 or request.is_beam
+            return "swap" if grouped else "recompute"
+        return self.preemption_mode
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        request.num_preemptions += 1
+        out.preempted_seq_ids.append(request.seq_id)
+        if self._preemption_mode(request) == "swap" and self.kv.can_swap_out(request.seq_id):
+            out.swap_out.extend(self.kv.swap_out(request.seq_id))
+            request.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, request, key=Request.sort_key)
+            self.num_preemptions["swap"] += 1
+            return
+        self.kv.free(request.seq_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push(request, front=True)
+        self.num_preemptions["recompute"] += 1
+
+    def _remove_from_queue(self, request: Request) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        else:
+            self.waiting.remove(request)
 
     def _finish(self, request: Request, status: RequestStatus, now: float | None = None) -> None:
-        self.kv.free(request)
+        self.kv.free(request.seq_id)
         request.status = status
         request.finish_time = time.time() if now is None else now
-        del self.requests[request.request_id]
-        self._finished_since_schedule.append(request.request_id)
+        del self.requests[request.seq_id]
+        if request.seq_id in self._known:
+            self._known.discard(request.seq_id)
+            self._finished_since_schedule.append(request.seq_id)
 
     def check_consistency(self) -> None:
         """Assert the block accounting and the queues agree (for tests)."""
         self.kv.check_consistency()
-        live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
-        assert live == set(self.requests), "running + waiting differ from the live requests"
-        running = {r.request_id for r in self.running}
-        assert set(self.kv.req_to_blocks) <= running, "a request holds blocks while not running"
+        running = {r.seq_id for r in self.running}
+        swapped = {r.seq_id for r in self.swapped}
+        waiting = {r.seq_id for r in self.waiting}
+        assert len(running) + len(swapped) + len(waiting) == len(self.requests), "a sequence is queued twice"
+        assert running | swapped | waiting == set(self.requests), "queued sequences differ from the live ones"
+        assert set(self.kv.tables) <= running, "a sequence holds device blocks while not running"
+        assert set(self.kv.host_tables) == swapped, "swapped sequences and host tables differ"
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING and r.num_computed_tokens <= r.num_tokens, r
+        for r in self.waiting:
+            assert r.num_computed_tokens == 0 and r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r

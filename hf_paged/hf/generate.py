@@ -16,8 +16,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
+from hf_paged.outputs import RequestOutput
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.sequence import Request
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +41,6 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-@dataclass
-class _Row:
-    request: Request
-    source: int  # input row it came from
-
-
 def paged_generate(
     self,
     inputs: torch.Tensor | None = None,
@@ -65,7 +59,9 @@ def paged_generate(
     """Stock ``generate`` signature; all rows run as one continuous batch in ``self.paged``.
 
     Returns ``LongTensor [batch * num_return_sequences, prompt_width + new]`` or, with
-    ``return_dict_in_generate``, a ``GenerateDecoderOnlyOutput`` (``scores`` when ``output_scores``).
+    ``return_dict_in_generate``, a ``GenerateDecoderOnlyOutput`` (``scores`` when ``output_scores``); with
+    ``num_beams > 1`` the search runs in the engine and returns stock beam search's outputs
+    (``GenerateBeamDecoderOnlyOutput`` with ``sequences_scores`` and ``beam_indices``).
     """
     stock_args = dict(
         inputs=inputs, generation_config=generation_config, logits_processor=logits_processor,
@@ -87,6 +83,8 @@ def paged_generate(
         reasons.append("temperature <= 0 with do_sample")  # stock raises the proper error
     if not gen_cfg.do_sample and (gen_cfg.num_return_sequences or 1) > 1 and (gen_cfg.num_beams or 1) == 1:
         reasons.append("num_return_sequences > 1 without sampling")  # stock raises the proper error
+    if (gen_cfg.num_beams or 1) > 1 and streamer is not None:
+        reasons.append("streamer with beam search")  # stock raises the proper error
     if reasons:
         return _fallback(self, reasons, stock_args, gen_cfg)
 
@@ -96,23 +94,29 @@ def paged_generate(
     max_new = gen_cfg.max_new_tokens if gen_cfg.max_new_tokens is not None else gen_cfg.max_length - width
     if max_new <= 0:
         return _fallback(self, [f"no room for new tokens (max_new_tokens={max_new})"], stock_args, gen_cfg)
-    rows = _make_rows(self, gen_cfg, model_kwargs, input_ids, max_new)
+    if (gen_cfg.num_beams or 1) > 1:
+        from hf_paged.hf.generate_beam import beam_generate
+
+        return beam_generate(self.paged, gen_cfg, _prompts(gen_cfg, model_kwargs, input_ids), input_ids, max_new,
+                             _min_new(gen_cfg, width))
     engine = self.paged
-    lockstep = _LockstepStreamer(streamer, [r.request for r in rows], _pad_id(gen_cfg)) if streamer else None
+    rows = _add_rows(engine, gen_cfg, model_kwargs, input_ids, max_new)
+    lockstep = _LockstepStreamer(streamer, rows, _pad_id(gen_cfg)) if streamer else None
     if streamer is not None:
         streamer.put(input_ids.cpu())
     try:
-        with engine._lock:
+        while not all(r.finished for r in rows):
+            progressed = False
             for row in rows:
-                engine._admit(row.request, tokenizer=model_kwargs.get("tokenizer"))
-        while not all(r.request.is_finished for r in rows):
-            engine.step()
+                progressed |= row.read(engine)
             if lockstep is not None:
                 lockstep.flush()
+            if not progressed and not all(r.finished for r in rows):
+                engine.step()
     finally:
-        for r in rows:
-            if not r.request.is_finished:
-                engine.abort(r.request.request_id)
+        for row in rows:
+            if not row.finished:
+                engine.abort(row.request_id)
     if lockstep is not None:
         lockstep.flush(final=True)
         streamer.end()
@@ -140,7 +144,14 @@ def _unsupported_fields(model, gen_cfg: GenerationConfig) -> list[str]:
             continue
         out.append(key)
     if (gen_cfg.num_beams or 1) > 1:
-        out.append("num_beams")
+        if gen_cfg.do_sample:
+            out.append("num_beams with do_sample (beam sampling)")
+        if gen_cfg.stop_strings:
+            out.append("num_beams with stop_strings")
+        if (gen_cfg.num_return_sequences or 1) > gen_cfg.num_beams:
+            out.append("num_return_sequences > num_beams")  # stock raises the proper error
+        if gen_cfg.early_stopping not in (True, False, "never"):
+            out.append(f"early_stopping={gen_cfg.early_stopping!r}")
     return out
 
 
@@ -154,7 +165,7 @@ def _fallback(model, reasons: list[str], stock_args: dict, gen_cfg: GenerationCo
         + (" with a PagedCache" if use_cache else "") + " instead.",
     )
     if use_cache:
-        from hf_paged.hf.paged_cache import PagedCache
+        from hf_paged.cache import PagedCache
 
         stock_args["past_key_values"] = PagedCache(model)
     return GenerationMixin.generate(model, **stock_args)
@@ -188,42 +199,75 @@ def _attention_mask(gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: to
     return torch.ones_like(input_ids, dtype=torch.bool)
 
 
-def _make_rows(model, gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: torch.Tensor, max_new: int) -> list[_Row]:
-    engine = model.paged
-    width = input_ids.shape[1]
+def _prompts(gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: torch.Tensor) -> list[list[int]]:
+    """Each row's prompt without its padding."""
     mask = _attention_mask(gen_cfg, model_kwargs, input_ids).cpu()
     ids = input_ids.cpu()
-    min_new = max(0, (gen_cfg.min_length or 0) - width, gen_cfg.min_new_tokens or 0)
+    return [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
+
+
+def _min_new(gen_cfg: GenerationConfig, width: int) -> int:
+    return max(0, (gen_cfg.min_length or 0) - width, gen_cfg.min_new_tokens or 0)
+
+
+@dataclass
+class _Row:
+    """One request of the call (``num_return_sequences`` output rows) and its latest output."""
+
+    request_id: str
+    source: int  # input row it came from
+    scores: dict[int, list] | None
+    latest: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.latest is not None and self.latest.finished
+
+    def read(self, engine) -> bool:
+        outs = engine.poll(self.request_id)
+        if outs:
+            self.latest = outs[-1]
+        return bool(outs)
+
+
+def _add_rows(engine, gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: torch.Tensor, max_new: int) -> list[_Row]:
+    prompts = _prompts(gen_cfg, model_kwargs, input_ids)
+    min_new = _min_new(gen_cfg, input_ids.shape[1])
     eos = _as_list(gen_cfg.eos_token_id)
     stop = gen_cfg.stop_strings
-    if stop is not None and model_kwargs.get("tokenizer") is None and engine.tokenizer is None:
+    tokenizer = model_kwargs.get("tokenizer")
+    if stop is not None and tokenizer is None and engine.tokenizer is None:
         raise ValueError("stop_strings need a tokenizer: pass tokenizer= to generate (as with stock generate)")
     n_return = gen_cfg.num_return_sequences or 1
     sampled = bool(gen_cfg.do_sample)
     # Seeds drawn from torch's global generator: torch.manual_seed(...) makes a sampled call reproducible,
-    # as it does for stock generate.
+    # as it does for stock generate. Sample k of row b uses seed base + b * n + k.
     base_seed = int(torch.randint(0, 2**62, ()).item()) if sampled else None
-    rows = []
-    for b in range(ids.shape[0]):
-        prompt = ids[b][mask[b]].tolist()
-        for k in range(n_return):
+    rows: list[_Row] = []
+    try:
+        for b, prompt in enumerate(prompts):
             params = SamplingParams(
                 max_tokens=max_new,
                 temperature=float(gen_cfg.temperature) if sampled else 0.0,
                 top_k=int(gen_cfg.top_k or 0) if sampled else 0,
                 top_p=float(gen_cfg.top_p if gen_cfg.top_p is not None else 1.0) if sampled else 1.0,
                 min_p=float(gen_cfg.min_p or 0.0) if sampled else 0.0,
-                seed=(base_seed + b * n_return + k) % 2**63 if sampled else None,
+                seed=(base_seed + b * n_return) % 2**62 if sampled else None,
                 stop_token_ids=eos,
                 ignore_eos=True,  # the engine's own EOS set is replaced by this call's eos_token_id
                 min_tokens=min(min_new, max_new) if eos else 0,
                 repetition_penalty=float(gen_cfg.repetition_penalty or 1.0),
                 stop=[stop] if isinstance(stop, str) else stop,
+                n=n_return,
             )
-            request = engine._make_request(prompt, params, None, tokenizer=model_kwargs.get("tokenizer"))
-            if gen_cfg.output_scores:
-                request.scores = []
-            rows.append(_Row(request, b))
+            rid = engine.add_request(
+                prompt, params, tokenizer=tokenizer, return_scores=bool(gen_cfg.output_scores), queue_outputs=True
+            )
+            rows.append(_Row(rid, b, engine.scores_of(rid)))
+    except BaseException:
+        for row in rows:
+            engine.abort(row.request_id)
+        raise
     return rows
 
 
@@ -234,36 +278,40 @@ class _LockstepStreamer:
     has produced its k-th token or finished (finished rows contribute the pad token).
     """
 
-    def __init__(self, streamer, requests: list[Request], pad: int) -> None:
+    def __init__(self, streamer, rows: list[_Row], pad: int) -> None:
         self.streamer = streamer
-        self.requests = requests
+        self.rows = rows
         self.pad = pad
         self.sent = 0
 
     def flush(self, final: bool = False) -> None:
         while True:
             k = self.sent
+            if any(row.latest is None for row in self.rows):
+                return
+            completions = [c for row in self.rows for c in row.latest.outputs]
+            if all(len(c.token_ids) <= k for c in completions):
+                return  # everyone finished before step k
             column = []
-            for r in self.requests:
-                if len(r.output_token_ids) > k:
-                    column.append(r.output_token_ids[k])
-                elif r.is_finished:
+            for c in completions:
+                if len(c.token_ids) > k:
+                    column.append(c.token_ids[k])
+                elif c.finished:
                     column.append(self.pad)
                 else:
                     return
-            if all(len(r.output_token_ids) <= k for r in self.requests):
-                return  # everyone finished before step k
             self.streamer.put(torch.tensor(column))
             self.sent += 1
 
 
 def _assemble(gen_cfg: GenerationConfig, input_ids: torch.Tensor, rows: list[_Row]):
     pad = _pad_id(gen_cfg)
-    outs = [r.request.output_token_ids for r in rows]
+    completions = [(row, c) for row in rows for c in row.latest.outputs]
+    outs = [c.token_ids for _, c in completions]
     new = max(len(o) for o in outs)
     width = input_ids.shape[1]
-    sequences = torch.full((len(rows), width + new), pad, dtype=input_ids.dtype)
-    sources = torch.tensor([r.source for r in rows])
+    sequences = torch.full((len(outs), width + new), pad, dtype=input_ids.dtype)
+    sources = torch.tensor([row.source for row, _ in completions])
     sequences[:, :width] = input_ids.cpu().index_select(0, sources)
     for i, o in enumerate(outs):
         sequences[i, width : width + len(o)] = torch.tensor(o, dtype=input_ids.dtype)
@@ -272,17 +320,18 @@ def _assemble(gen_cfg: GenerationConfig, input_ids: torch.Tensor, rows: list[_Ro
         return sequences
     scores = None
     if gen_cfg.output_scores:
-        scores = tuple(_score_column(rows, k, pad).to(input_ids.device) for k in range(new))
+        per_row = [row.scores.get(c.index, []) for row, c in completions]
+        scores = tuple(_score_column(per_row, k, pad).to(input_ids.device) for k in range(new))
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores)
 
 
-def _score_column(rows: list[_Row], k: int, pad: int) -> torch.Tensor:
+def _score_column(per_row: list[list[torch.Tensor]], k: int, pad: int) -> torch.Tensor:
     """Step k's processed logits; a row that already finished is forced to the pad token (-inf elsewhere)."""
-    first = next(r.request.scores[0] for r in rows if r.request.scores)
-    column = torch.full((len(rows), first.shape[-1]), float("-inf"))
-    for i, r in enumerate(rows):
-        if k < len(r.request.scores):
-            column[i] = r.request.scores[k]
+    first = next(s[0] for s in per_row if s)
+    column = torch.full((len(per_row), first.shape[-1]), float("-inf"))
+    for i, s in enumerate(per_row):
+        if k < len(s):
+            column[i] = s[k]
         else:
             column[i, pad] = 0.0
     return column

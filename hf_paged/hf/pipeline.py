@@ -16,7 +16,8 @@ from transformers.pipelines.text_generation import TextGenerationPipeline
 
 from hf_paged.hf.wrap import is_wrapped, wrap
 
-_installed = False
+_installed = 0  # wrapped models holding the patch; the last unwrap removes it
+_original_call = None
 
 
 def _is_prompt_list(inputs) -> bool:
@@ -27,20 +28,32 @@ def _is_prompt_list(inputs) -> bool:
 
 
 def install() -> None:
-    """Route list calls of text-generation pipelines over wrapped models into one engine batch (idempotent)."""
+    """Route list calls of text-generation pipelines over wrapped models into one engine batch.
+
+    Counted: every ``wrap`` installs, every ``unwrap`` uninstalls, and the last one restores the stock
+    ``TextGenerationPipeline.__call__``.
+    """
+    global _installed, _original_call
+    if _installed == 0:
+        original = _original_call = TextGenerationPipeline.__call__
+
+        @functools.wraps(original)
+        def __call__(self, text_inputs, **kwargs):
+            if is_wrapped(self.model) and "batch_size" not in kwargs and _is_prompt_list(text_inputs):
+                kwargs["batch_size"] = len(text_inputs)
+            return original(self, text_inputs, **kwargs)
+
+        TextGenerationPipeline.__call__ = __call__
+    _installed += 1
+
+
+def uninstall() -> None:
     global _installed
-    if _installed:
+    if _installed == 0:
         return
-    original = TextGenerationPipeline.__call__
-
-    @functools.wraps(original)
-    def __call__(self, text_inputs, **kwargs):
-        if is_wrapped(self.model) and "batch_size" not in kwargs and _is_prompt_list(text_inputs):
-            kwargs["batch_size"] = len(text_inputs)
-        return original(self, text_inputs, **kwargs)
-
-    TextGenerationPipeline.__call__ = __call__
-    _installed = True
+    _installed -= 1
+    if _installed == 0:
+        TextGenerationPipeline.__call__ = _original_call
 
 
 def pipeline(model, tokenizer=None, dtype=None, device: str | None = None, **engine_config) -> Pipeline:
@@ -62,5 +75,4 @@ def pipeline(model, tokenizer=None, dtype=None, device: str | None = None, **eng
         raise ValueError("hf_paged.pipeline needs a tokenizer when given a model object")
     if not is_wrapped(model):
         wrap(model, tokenizer, **engine_config)
-    install()
     return hf_pipeline("text-generation", model=model, tokenizer=tokenizer)

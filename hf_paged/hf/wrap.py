@@ -59,6 +59,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         warnings.warn("hf_paged.unwrap: this model is not wrapped; nothing changed", stacklevel=2)
         return model
     state.engine.close()
+    from hf_paged.hf.pipeline import uninstall  # noqa: PLC0415  (that module imports this one)
+
+    uninstall()
     model.__dict__.pop("paged", None)
     if state.own_generate is not None:
         model.__dict__["generate"] = state.own_generate

@@ -1,4 +1,4 @@
-"""A request and its life cycle (pure Python: no torch, no transformers)."""
+"""A request's sequence and its life cycle (pure Python: no torch, no transformers)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from hf_paged.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # recompute: back in the waiting queue, its KV dropped
+    SWAPPED = "swapped"  # its KV copied to host blocks, waiting to come back
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def finished(self) -> bool:
@@ -29,11 +31,16 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
 class Request:
-    """One generation request.
+    """One sequence being generated: the unit the scheduler schedules.
+
+    A user request with ``n > 1`` samples (or a beam search) owns several sequences: they share the user's
+    ``request_id`` and differ in ``index`` and ``seq_id``. The first is prefilled alone; at its first
+    sampling point the others are forked from it and share its blocks.
 
     The scheduler's single rule: bring ``num_computed_tokens`` (tokens whose KV is in the cache) up to
     ``num_tokens`` (prompt + generated). A prefill chunk, a decode step and a resumed preempted request
@@ -49,14 +56,21 @@ class Request:
         max_model_len: int | None = None,
         arrival_time: float | None = None,
         prompt: str | None = None,
+        priority: int = 0,
+        seq_id: int | None = None,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.seq_id = seq_id  # assigned by the scheduler when None
+        self.index = index
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        self.priority = priority
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
@@ -66,6 +80,12 @@ class Request:
             stop |= set(eos_token_ids)
         self.stop_token_ids = frozenset(stop)
         self.max_model_len = max_model_len
+        self.forked = sampling_params.n == 1  # n > 1: the other samples are forked at the first sample
+        self.is_beam = False  # a beam: the runner returns its log-prob row, the beam search picks the token
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        self.spec_token_ids: list[int] = []  # draft tokens scheduled for verification this step
+        self.error: str | None = None  # why a request finished with status FINISHED_ERROR
         # When a list, the sampler appends each step's processed logits row (for HF's output_scores).
         self.scores: list | None = None
         self.stop_str: str | None = None  # the stop string that ended the request, if any
@@ -95,6 +115,9 @@ class Request:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
     @property
     def is_finished(self) -> bool:
         return self.status.finished
@@ -104,7 +127,22 @@ class Request:
         """False while ``min_tokens`` forbids stop tokens for the next sampled token."""
         return len(self.output_token_ids) >= self.sampling_params.min_tokens
 
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: lower priority value first, then arrival (vLLM's convention)."""
+        return (self.priority, self.arrival_time, self.seq_id or 0)
+
     # -- state changes ------------------------------------------------------------------------------
+    def fork(self, seq_id: int, index: int) -> Request:
+        """A sibling sample: same prompt and settings, its own id, index and (so far equal) output."""
+        child = Request.__new__(Request)
+        child.__dict__.update(self.__dict__)
+        child.seq_id, child.index = seq_id, index
+        child.output_token_ids = list(self.output_token_ids)
+        child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        child.spec_token_ids = []
+        child.scores = None if self.scores is None else list(self.scores)
+        return child
+
     def append_output_token(self, token_id: int, now: float | None = None) -> RequestStatus | None:
         """Append a sampled token; return the finished status if it ends the request, else None."""
         self.output_token_ids.append(token_id)
@@ -125,6 +163,6 @@ class Request:
 
     def __repr__(self) -> str:
         return (
-            f"Request({self.request_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
-            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+            f"Request({self.request_id!r}, seq={self.seq_id}, index={self.index}, status={self.status.value}, "
+            f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, computed={self.num_computed_tokens})"
         )

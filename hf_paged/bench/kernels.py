@@ -4,9 +4,9 @@ Decode: achieved bandwidth (GB/s of K and V read from the pool) against the devi
 sizes x context lengths. Prefill: attention TFLOP/s (causal FLOPs only) over batch sizes x prompt lengths,
 with dense causal SDPA (no paging) as the practical ceiling.
 
-    python benchmarks/kernels.py                                # defaults: bf16, 32 heads / 8 KV heads, head_dim 128
-    python benchmarks/kernels.py --dtype fp16 --head-dim 64 --batch-sizes 1,64 --context-lens 1024,16384
-    python benchmarks/kernels.py --json results.json            # also write every row as JSON
+    python -m hf_paged.bench.kernels                                # defaults: bf16, 32 heads / 8 KV heads, head_dim 128
+    python -m hf_paged.bench.kernels --dtype fp16 --head-dim 64 --batch-sizes 1,64 --context-lens 1024,16384
+    python -m hf_paged.bench.kernels --json results.json            # also write every row as JSON
 
 ``--device cpu`` runs tiny shapes under the Triton interpreter: a smoke test of this script, not a benchmark.
 """
@@ -16,12 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 # Nominal HBM bandwidth (GB/s) and dense fp16/bf16 tensor-core TFLOP/s; matched on the lower-cased device name,
 # first hit wins. Pass --peak-gbps / --peak-tflops for other devices.

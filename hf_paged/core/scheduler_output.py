@@ -1,0 +1,88 @@
+"""Plain data between the scheduler and the model runner: no live requests, no torch (DESIGN.md section 7).
+
+The runner keeps its own per-sequence state, created from :class:`NewSequenceData` the first time a
+sequence is scheduled and dropped when the sequence is listed in ``finished_seq_ids``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hf_paged.sampling_params import SamplingParams
+
+
+@dataclass
+class NewSequenceData:
+    """What the runner needs to know once about a sequence it has not seen before."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty for a forked sample or beam
+    sampling_params: SamplingParams
+    stop_token_ids: frozenset[int]
+    seed_offset: int = 0  # sample i of an n > 1 request draws from seed + i
+    is_beam: bool = False
+    want_scores: bool = False  # HF output_scores: return the processed logits row of every sampled token
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step: ``token_ids`` at positions ``start .. start + len(token_ids) - 1``."""
+
+    seq_id: int
+    start: int  # tokens already in the cache (num_computed_tokens)
+    token_ids: list[int]  # the tokens to run (a prefill chunk, one decode token, last token + drafts)
+    block_ids: list[int]  # the sequence's whole block table
+    sample: bool  # the step reaches the end of the known tokens, so a token is sampled
+    num_draft_tokens: int = 0  # the last ones of ``token_ids`` are drafts to verify (speculative decoding)
+    fork_seq_ids: list[int] = field(default_factory=list)  # n > 1: ids of the samples forked at this step
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    new_sequences: list[NewSequenceData] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), done first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    preempted_seq_ids: list[int] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)  # since the previous step: forget their state
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SampledLogprobs:
+    """Log-probabilities (of the model's raw distribution) for one sampled token."""
+
+    token_logprob: float
+    top: dict[int, float]  # the ``logprobs`` most likely tokens
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced, per sequence id.
+
+    ``sampled_token_ids[s]`` holds one token, or with speculative decoding the accepted drafts plus one.
+    Beams get no sampled token: their processed log-prob rows are in ``beam_rows`` (torch tensors, read by
+    the engine's beam search, never by the scheduler).
+    """
+
+    sampled_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[SampledLogprobs]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)  # sequences whose sampling failed: finish with "error"
+    beam_rows: dict[int, object] = field(default_factory=dict)
+    num_draft_tokens: dict[int, int] = field(default_factory=dict)  # drafts verified, per sequence
+    num_accepted_tokens: dict[int, int] = field(default_factory=dict)  # of those, accepted
+    scores: dict[int, object] = field(default_factory=dict)  # HF output_scores: processed logits rows (torch)

@@ -1,0 +1,190 @@
+"""The paged KV pool: per-layer ``k_cache``/``v_cache`` tensors, how many blocks to give them, and the
+block moves the scheduler asks for (copy-on-write copies, swapping to and from host memory)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from hf_paged.attention import METADATA_KWARG, KVLayoutProbe
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerKVSpec:
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+
+def probe_kv_layout(model: torch.nn.Module) -> list[LayerKVSpec]:
+    """Run one token through the model to learn every attention layer's K/V shape and dtype.
+
+    Works for any architecture that routes attention through the interface, whatever its config calls
+    heads and head sizes.
+    """
+    probe = KVLayoutProbe()
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, **{METADATA_KWARG: probe})
+    _check_probe(model, probe)
+    return [LayerKVSpec(*probe.layers[i]) for i in range(max(probe.layers) + 1)]
+
+
+def _check_probe(model: torch.nn.Module, probe: KVLayoutProbe) -> None:
+    """Raise NotImplementedError, naming the class, for what the paged engine cannot serve exactly."""
+    name = type(model).__name__
+    if probe.unindexed:
+        raise NotImplementedError(f"{name} has attention modules without layer_idx")
+    if not probe.layers:
+        raise NotImplementedError(
+            f"{name} does not pass keyword arguments through to its attention function; "
+            "hf_paged needs that to hand each layer its paged metadata"
+        )
+    if probe.sinks:
+        raise NotImplementedError(f"{sorted(probe.sinks)[0]} uses attention sinks, which hf_paged does not support yet")
+    repeated = sorted(i for i, n in probe.calls.items() if n > 1)
+    if repeated:
+        raise NotImplementedError(
+            f"{name}: {probe.modules[repeated[0]]} calls the attention function {probe.calls[repeated[0]]} times "
+            "per layer (e.g. differential attention); hf_paged keeps one KV pool per layer and supports one call"
+        )
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_layers = getattr(cfg, "num_hidden_layers", None)
+    n = max(max(probe.layers) + 1, num_layers or 0)
+    missing = sorted(set(range(n)) - set(probe.layers))
+    if missing:
+        raise NotImplementedError(
+            f"{name}: decoder layers {missing} do not call the attention function (recurrent, convolution or "
+            "state-space layers, as in hybrid models); their per-sequence state is not paged, hf_paged "
+            "supports models whose every layer is attention"
+        )
+
+
+def kv_bytes_per_token(specs: list[LayerKVSpec]) -> int:
+    return sum(s.bytes_per_token for s in specs)
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def copy_blocks(caches, pairs: list[tuple[int, int]], dst_caches=None) -> None:
+    """Copy whole blocks ``src -> dst`` in every layer (``dst_caches``: another pool of the same layout)."""
+    if not pairs:
+        return
+    dst_caches = caches if dst_caches is None else dst_caches
+    for (k, v), (dk, dv) in zip(caches, dst_caches):
+        src = torch.tensor([s for s, _ in pairs], device=k.device)
+        dst = torch.tensor([d for _, d in pairs], device=dk.device)
+        dk.index_copy_(0, dst, k.index_select(0, src).to(dk.device, non_blocking=True))
+        dv.index_copy_(0, dst, v.index_select(0, src).to(dv.device, non_blocking=True))
+
+
+class KVPool:
+    """Per-layer ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    On CPU the tensors come from ``torch.empty``: the OS hands out pages as blocks are first written, so a
+    large pool costs no resident memory until it is used. Nothing reads an unwritten slot.
+
+    With ``num_host_blocks`` a second pool of the same layout lives in host memory (pinned on CUDA) for
+    sequences swapped out under memory pressure; on a CPU device it is simply a second buffer.
+    """
+
+    def __init__(
+        self, specs: list[LayerKVSpec], num_blocks: int, block_size: int, device: torch.device, num_host_blocks: int = 0
+    ) -> None:
+        self.specs = specs
+        self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
+        self.block_size = block_size
+        self.device = device
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pin = device.type == "cuda"
+        for spec in specs:
+            shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+            self.kv_caches.append(
+                (torch.empty(shape, dtype=spec.dtype, device=device), torch.empty(shape, dtype=spec.dtype, device=device))
+            )
+            if num_host_blocks:
+                host = (num_host_blocks, *shape[1:])
+                self.host_caches.append(
+                    (torch.empty(host, dtype=spec.dtype, pin_memory=pin), torch.empty(host, dtype=spec.dtype, pin_memory=pin))
+                )
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: device block ``src`` to device block ``dst`` in every layer."""
+        copy_blocks(self.kv_caches, pairs)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Device block -> host block, in every layer."""
+        copy_blocks(self.kv_caches, pairs, self.host_caches)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Host block -> device block, in every layer."""
+        copy_blocks(self.host_caches, pairs, self.kv_caches)
+
+    def supports_native(self) -> bool:
+        """Whether the native CPU attention kernel can read this pool (CPU, fp32/bf16/fp16, contiguous)."""
+        return all(
+            k.device.type == "cpu" and k.dtype in (torch.float32, torch.bfloat16, torch.float16) and k.is_contiguous()
+            for k, _ in self.kv_caches
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.specs)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return kv_bytes_per_token(self.specs) * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+
+def decide_num_blocks(
+    specs: list[LayerKVSpec],
+    block_size: int,
+    device: torch.device,
+    num_blocks: int | None,
+    kv_cache_memory: int | None,
+    memory_fraction: float,
+    max_tokens_needed: int,
+) -> int:
+    """Blocks for the pool: ``num_blocks`` if given, else from a byte budget, else from free memory.
+
+    The memory-derived default is capped at ``max_tokens_needed`` (max_num_seqs full-length sequences):
+    a pool larger than anything the scheduler can fill only wastes address space.
+    """
+    per_block = kv_bytes_per_token(specs) * block_size
+    if num_blocks is not None:
+        return num_blocks
+    if kv_cache_memory is not None:
+        n = kv_cache_memory // per_block
+        if n < 1:
+            raise ValueError(
+                f"kv_cache_memory={kv_cache_memory} bytes is less than one block ({per_block} bytes)"
+            )
+        return n
+    budget = int(available_memory(device) * memory_fraction)
+    n = max(1, budget // per_block)
+    return min(n, -(-max_tokens_needed // block_size))

@@ -1,0 +1,146 @@
+"""From sequences to what callers see: one :class:`RequestOutput` per user request, stop strings, queues.
+
+A user request owns ``n`` sequences (its samples). The processor keeps them together, matches stop
+strings, and builds outputs without copying token lists (see :class:`~hf_paged.outputs.CompletionOutput`).
+Every output of a request is also appended to the request's own queue when one is attached, so a caller
+(``stream``, ``generate``, a server) reads its outputs whoever ran the step that produced them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from hf_paged.outputs import CompletionOutput, RequestOutput, StopStringChecker
+from hf_paged.request import Request, RequestStatus
+
+
+@dataclass
+class RequestState:
+    """The engine's record of one user request and its sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    n: int
+    arrival_time: float
+    tokenizer: object = None
+    seqs: dict[int, Request] = field(default_factory=dict)  # index -> sequence (samples appear when forked)
+    stop_checkers: dict[int, StopStringChecker] = field(default_factory=dict)
+    queue: deque | None = None  # outputs for a caller that reads this request's outputs
+    scores: dict[int, list] | None = None  # index -> processed logits rows (HF output_scores)
+
+    @property
+    def first(self) -> Request:
+        return self.seqs[0]
+
+    @property
+    def finished(self) -> bool:
+        if len(self.seqs) < self.n and not self.first.forked:
+            return self.first.is_finished  # finished before its samples were forked
+        return all(s.is_finished for s in self.seqs.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer=None) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.ready = threading.Condition()  # notified whenever a queue receives an output
+        self.num_finished = 0
+        # finished requests whose outputs (or scores) a reader has yet to take: kept until read
+        self.finished_queues: dict[str, RequestState] = {}
+
+    def add(self, state: RequestState, first: Request, stop: list[str] | None, with_queue: bool) -> None:
+        state.seqs[0] = first
+        if with_queue:
+            state.queue = deque()
+        if stop:
+            state.stop_checkers[0] = StopStringChecker(state.tokenizer or self.tokenizer, stop, first.prompt_token_ids)
+        self.requests[state.request_id] = state
+
+    def state_of(self, request_id: str) -> RequestState | None:
+        return self.requests.get(request_id)
+
+    def process(self, changed: list[Request], scheduler, scores: dict | None = None) -> list[RequestOutput]:
+        """Register forked samples, match stop strings, and build the outputs of the requests that changed."""
+        touched: dict[str, RequestState] = {}
+        for seq in changed:
+            state = self.requests.get(seq.request_id)
+            if state is None:
+                continue
+            if seq.index not in state.seqs:
+                state.seqs[seq.index] = seq
+                if 0 in state.stop_checkers:
+                    first = state.stop_checkers[0]
+                    state.stop_checkers[seq.index] = StopStringChecker(
+                        state.tokenizer or self.tokenizer, first.stops, seq.prompt_token_ids
+                    )
+            if scores and state.scores is not None and seq.seq_id in scores:
+                state.scores.setdefault(seq.index, []).append(scores[seq.seq_id])
+            self._check_stop_string(state, seq, scheduler)
+            touched[state.request_id] = state
+        return [self.emit(state) for state in touched.values()]
+
+    def _check_stop_string(self, state: RequestState, seq: Request, scheduler) -> None:
+        checker = state.stop_checkers.get(seq.index)
+        if checker is None:
+            return
+        stop = checker.update(seq.output_token_ids)
+        if stop is not None:
+            seq.stop_str = stop
+            if seq.is_finished:  # the same token also hit max_tokens: the stop string wins
+                seq.status = RequestStatus.FINISHED_STOPPED
+            else:
+                scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
+        if seq.is_finished:
+            del state.stop_checkers[seq.index]
+
+    def emit(self, state: RequestState) -> RequestOutput:
+        """Build the request's output, queue it for its reader, and forget the request once finished."""
+        out = self.output(state)
+        if out.finished and self.requests.pop(state.request_id, None) is not None:
+            self.num_finished += 1
+            if state.queue is not None:
+                self.finished_queues[state.request_id] = state
+        if state.queue is not None:
+            with self.ready:
+                state.queue.append(out)
+                self.ready.notify_all()
+        return out
+
+    def output(self, state: RequestState) -> RequestOutput:
+        first = state.first
+        completions = []
+        for index in range(state.n):
+            seq = state.seqs.get(index)
+            if seq is None:  # not forked (yet): nothing generated; finished if the first ended before forking
+                reason = first.status.finish_reason if first.is_finished and not first.forked else None
+                completions.append(CompletionOutput(index, [], 0, reason, _tokenizer=state.tokenizer or self.tokenizer))
+                continue
+            want_logprobs = seq.sampling_params.logprobs is not None
+            completions.append(CompletionOutput(
+                index=index,
+                _source=seq.output_token_ids,
+                _length=len(seq.output_token_ids),
+                finish_reason=seq.status.finish_reason,
+                cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
+                _logprobs_source=seq.logprobs,
+                error=seq.error,
+                stop_str=seq.stop_str,
+                _tokenizer=state.tokenizer or self.tokenizer,
+            ))
+        finish_times = [s.finish_time for s in state.seqs.values() if s.finish_time is not None]
+        first_times = [s.first_token_time for s in state.seqs.values() if s.first_token_time is not None]
+        finished = state.finished
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            arrival_time=state.arrival_time,
+            first_token_time=min(first_times, default=None),
+            finish_time=max(finish_times, default=None) if finished else None,
+            prompt=state.prompt,
+            num_cached_tokens=first.num_cached_tokens,
+        )

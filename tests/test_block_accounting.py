@@ -1,0 +1,158 @@
+"""A hypothesis state machine over the scheduling layer: every block is accounted for after every step.
+
+A fake runner executes each SchedulerOutput on a model of the KV pool that records which token each slot
+holds (swaps, copy-on-write copies and writes included). After every operation:
+- every device and host block is free or held exactly ``ref_cnt`` times (``check_consistency``);
+- every sequence's computed tokens are really in its blocks (device, or host when swapped);
+- every cached block holds the tokens its hash was made from, and every hash chain matches the tokens.
+"""
+
+import random
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from hf_paged.core.block_pool import hash_block_tokens
+from hf_paged.core.kv_cache_manager import KVCacheManager
+from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, Scheduler
+from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from hf_paged.request import Request, RequestStatus
+from hf_paged.sampling_params import SamplingParams
+
+OPS = {"count": 0, "preempt": {"recompute": 0, "swap": 0}, "prefix_hits": 0, "copies": 0, "forks": 0}
+PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36, 37]]
+
+
+class FakeRunner:
+    """Executes scheduler outputs on a pool of token ids instead of tensors."""
+
+    def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, seed: int) -> None:
+        self.bs = block_size
+        self.dev = [[None] * block_size for _ in range(num_blocks)]
+        self.host = [[None] * block_size for _ in range(num_host_blocks)]
+        self.rng = random.Random(seed)
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for d, h in out.swap_out:
+            self.host[h] = list(self.dev[d])
+        for h, d in out.swap_in:
+            self.dev[d] = list(self.host[h])
+        for src, dst in out.block_copies:
+            self.dev[dst] = list(self.dev[src])
+        result = ModelRunnerOutput()
+        for s in out.scheduled:
+            for k, token in enumerate(s.token_ids):
+                p = s.start + k
+                self.dev[s.block_ids[p // self.bs]][p % self.bs] = token
+            if s.sample:
+                for seq_id in [s.seq_id, *s.fork_seq_ids]:
+                    result.sampled_token_ids[seq_id] = [self.rng.choice([0, 1, 2, 3, 40, 41])]
+        return result
+
+
+class BlockAccounting(RuleBasedStateMachine):
+    @initialize(
+        num_blocks=st.integers(4, 16),
+        block_size=st.sampled_from([1, 2, 4]),
+        max_num_seqs=st.integers(1, 6),
+        budget=st.integers(1, 24),
+        host_blocks=st.integers(0, 10),
+        caching=st.booleans(),
+        chunked=st.booleans(),
+        mode=st.sampled_from(PREEMPTION_MODES),
+        policy=st.sampled_from(SCHEDULING_POLICIES),
+        seed=st.integers(0, 2**16),
+    )
+    def setup(self, num_blocks, block_size, max_num_seqs, budget, host_blocks, caching, chunked, mode, policy, seed):
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, num_host_blocks=host_blocks)
+        self.sched = Scheduler(self.kv, max_num_seqs, budget, 24, chunked, policy, mode)
+        self.runner = FakeRunner(num_blocks, host_blocks, block_size, seed)
+        self.n = 0
+
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), cut=st.integers(1, 8), tail=st.lists(st.integers(0, 50), max_size=5),
+          max_tokens=st.integers(1, 10), n=st.integers(1, 3), priority=st.integers(-2, 2))
+    def add(self, prefix, cut, tail, max_tokens, n, priority):
+        OPS["count"] += 1
+        prompt = PREFIXES[prefix][:cut] + tail
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, n=n)
+        request = Request(f"r{self.n}", prompt, params, eos_token_ids=frozenset({0}), priority=priority)
+        self.n += 1
+        try:
+            self.sched.add_request(request)
+        except ValueError:
+            pass  # cannot fit this pool: rejected before any change
+
+    @precondition(lambda self: self.sched.requests)
+    @rule(data=st.data())
+    def abort(self, data):
+        OPS["count"] += 1
+        seq_id = data.draw(st.sampled_from(sorted(self.sched.requests)))
+        request_id = self.sched.requests[seq_id].request_id
+        for s in [r for r in self.sched.requests.values() if r.request_id == request_id]:
+            assert self.sched.abort_request(s.seq_id) is s
+
+    @precondition(lambda self: self.sched.requests)
+    @rule()
+    def step(self):
+        OPS["count"] += 1
+        hits = self.kv.prefix_hits
+        out = self.sched.schedule()
+        OPS["copies"] += len(out.block_copies)
+        for seq_id in out.preempted_seq_ids:
+            request = self.sched.requests[seq_id]
+            OPS["preempt"]["swap" if request.status is RequestStatus.SWAPPED else "recompute"] += 1
+        result = self.runner.execute(out)
+        self.sched.update(out, result)
+        OPS["prefix_hits"] += self.kv.prefix_hits > hits
+
+    @precondition(lambda self: any(r.num_computed_tokens for r in self.sched.running))
+    @rule(data=st.data(), drop_parent=st.booleans())
+    def fork(self, data, drop_parent):
+        """A beam search's move: a running sequence is continued by a fork (and maybe not by itself)."""
+        OPS["count"] += 1
+        OPS["forks"] += 1
+        parent = data.draw(st.sampled_from([r for r in self.sched.running if r.num_computed_tokens]))
+        child = self.sched.fork_sequence(parent, parent.index + 100)
+        assert self.kv.get_block_ids(child.seq_id) == self.kv.get_block_ids(parent.seq_id)
+        if drop_parent:
+            self.sched.abort_request(parent.seq_id)
+
+    @invariant()
+    def blocks_are_accounted_for(self):
+        if not hasattr(self, "sched"):
+            return
+        self.sched.check_consistency()
+        bs = self.kv.block_size
+        for request in self.sched.requests.values():
+            table = self.kv.tables.get(request.seq_id) or self.kv.host_tables.get(request.seq_id) or []
+            pool = self.runner.dev if request.seq_id in self.kv.tables else self.runner.host
+            for p in range(request.num_computed_tokens):
+                assert pool[table[p // bs].block_id][p % bs] == request.token_id(p), (request, p)
+            hashes = self.kv.hashes.get(request.seq_id, [])
+            parent = None
+            for i, h in enumerate(hashes):
+                parent = hash_block_tokens(parent, request.token_ids(i * bs, (i + 1) * bs))
+                assert h == parent, f"{request}: hash {i} does not match its tokens"
+        for block in self.kv.pool.cached.values():
+            assert self.runner.dev[block.block_id] == list(block.token_ids), f"cached block {block.block_id} content"
+
+    def teardown(self):
+        if hasattr(self, "sched"):
+            for seq_id in list(self.sched.requests):
+                self.sched.abort_request(seq_id)
+            self.sched.check_consistency()
+            assert self.kv.num_free_blocks == self.kv.num_blocks
+            assert self.kv.host_pool.num_free_blocks == self.kv.host_pool.num_blocks
+
+
+def test_block_accounting_state_machine_runs_10k_operations():
+    before = OPS["count"]
+    run_state_machine_as_test(
+        BlockAccounting,
+        settings=settings(max_examples=200, stateful_step_count=80, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=list(HealthCheck)),
+    )
+    assert OPS["count"] - before >= 10_000, OPS
+    # the interesting paths really ran
+    assert OPS["preempt"]["recompute"] and OPS["preempt"]["swap"] and OPS["prefix_hits"] and OPS["copies"], OPS
