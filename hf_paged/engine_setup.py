@@ -36,7 +36,7 @@ def build_pool(model: torch.nn.Module, cfg: EngineConfig, device: torch.device) 
     want_len = cfg.max_model_len or model_max or 4096
     num_blocks = decide_num_blocks(
         specs, cfg.block_size, device, cfg.num_blocks, cfg.kv_cache_memory,
-        cfg.kv_cache_memory_fraction, max_tokens_needed=cfg.max_num_seqs * want_len,
+        cfg.kv_cache_memory_fraction, cfg.max_num_seqs, want_len,
     )
     capacity = num_blocks * cfg.block_size
     if cfg.max_model_len is not None and cfg.max_model_len > capacity:
@@ -87,7 +87,7 @@ def token_ids(prompt, tokenizer, vocab_size: int) -> tuple[list[int], str | None
     """A prompt's token ids (and its text when given as text), validated against the vocabulary."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer: pass tokenizer= to the engine, or token ids")
+            raise ValueError(f"a text prompt ({prompt[:40]!r}) needs a tokenizer: pass tokenizer= to the engine, or token ids")
         ids = tokenizer(prompt)["input_ids"]
         text: str | None = prompt
     elif isinstance(prompt, torch.Tensor):
@@ -96,6 +96,10 @@ def token_ids(prompt, tokenizer, vocab_size: int) -> tuple[list[int], str | None
         ids, text = prompt.tolist(), None
     elif isinstance(prompt, Sequence):
         ids, text = list(prompt), None
+    elif hasattr(prompt, "__array__") and getattr(prompt, "ndim", None) == 1:  # a numpy array of token ids
+        if getattr(prompt.dtype, "kind", "i") not in "iu":
+            raise TypeError(f"an array prompt must hold integer token ids, got dtype {prompt.dtype}")
+        ids, text = prompt.tolist(), None
     else:
         raise TypeError(f"prompt must be a str, a list of token ids or a 1-D tensor, got {type(prompt).__name__}")
     if not ids:

@@ -133,6 +133,9 @@ class PagedGenerator:
             raise ValueError(f"request id {rid!r} is already in use")
         if params.stop and (tokenizer or self.tokenizer) is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer: pass tokenizer= to the engine")
+        outside = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"stop_token_ids {outside} are outside the vocabulary [0, {self.vocab_size})")
         request = Request(rid, ids, params, self.eos_token_ids, self.max_model_len, prompt=text, priority=priority)
         self.scheduler.check_request(request)
         state = RequestState(rid, text, request.prompt_token_ids, params.n, request.arrival_time, tokenizer)
@@ -178,24 +181,31 @@ class PagedGenerator:
                     "give wrong tokens. Build a new engine."
                 )
             pending, self._pending = self._pending, []
-            self._drop_stale_prefix_cache()
-            out = self.scheduler.schedule()
-            if out.is_empty:
-                self.runner.update_states(out)
-                if self.scheduler.has_unfinished_requests():
-                    raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")
-                return pending
             try:
-                result = self.runner.execute(out)
-            except Exception as e:  # noqa: BLE001 - fail this step's requests, keep the engine usable
-                logger.exception("engine step failed; failing the %d sequences it ran", len(out.scheduled))
-                return pending + self._fail_step(out, e)
-            changed = self.scheduler.update(out, result)
-            for search in list(self._beam_searches):
-                if search.add_rows(result.beam_rows, self.scheduler):
-                    self._beam_searches.remove(search)
-            self.num_steps += 1
-            return pending + self.outputs.process(changed, self.scheduler, result.scores)
+                return pending + self._step()
+            except BaseException:
+                self._pending = pending + self._pending  # abort outputs are never lost
+                raise
+
+    def _step(self) -> list[RequestOutput]:
+        self._drop_stale_prefix_cache()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            self.runner.update_states(out)
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")
+            return []
+        try:
+            result = self.runner.execute(out)
+        except Exception as e:  # noqa: BLE001 - fail this step's requests, keep the engine usable
+            logger.exception("engine step failed; failing the %d sequences it ran", len(out.scheduled))
+            return self._fail_step(out, e)
+        changed = self.scheduler.update(out, result)
+        for search in list(self._beam_searches):
+            if search.add_rows(result.beam_rows, self.scheduler):
+                self._beam_searches.remove(search)
+        self.num_steps += 1
+        return self.outputs.process(changed, self.scheduler, result.scores)
 
     def _weights_version(self) -> int:
         return sum(p._version for p in self.model.parameters()) + hash(tuple(id(p) for p in self.model.parameters()))

@@ -161,6 +161,9 @@ class KVPool:
         return self.bytes_per_block * self.num_blocks
 
 
+DEFAULT_TOKENS_PER_SEQ = 512  # the default pool holds max_num_seqs sequences of this many tokens
+
+
 def decide_num_blocks(
     specs: list[LayerKVSpec],
     block_size: int,
@@ -168,12 +171,15 @@ def decide_num_blocks(
     num_blocks: int | None,
     kv_cache_memory: int | None,
     memory_fraction: float,
-    max_tokens_needed: int,
+    max_num_seqs: int,
+    max_model_len: int,
 ) -> int:
-    """Blocks for the pool: ``num_blocks`` if given, else from a byte budget, else from free memory.
+    """Blocks for the pool: ``num_blocks`` if given, else from a byte budget, else sized to the workload.
 
-    The memory-derived default is capped at ``max_tokens_needed`` (max_num_seqs full-length sequences):
-    a pool larger than anything the scheduler can fill only wastes address space.
+    The default holds ``max_num_seqs`` sequences of ``min(max_model_len, 512)`` tokens, and at least one
+    sequence of ``max_model_len`` tokens, but at most ``memory_fraction`` of the free memory. Pool pages are
+    committed as blocks are first written, and freed blocks are reused most recently freed first, so the
+    resident memory follows the KV in use plus cached prefixes, up to this size.
     """
     per_block = kv_bytes_per_token(specs) * block_size
     if num_blocks is not None:
@@ -185,6 +191,6 @@ def decide_num_blocks(
                 f"kv_cache_memory={kv_cache_memory} bytes is less than one block ({per_block} bytes)"
             )
         return n
+    tokens = max(max_num_seqs * min(max_model_len, DEFAULT_TOKENS_PER_SEQ), max_model_len)
     budget = int(available_memory(device) * memory_fraction)
-    n = max(1, budget // per_block)
-    return min(n, -(-max_tokens_needed // block_size))
+    return max(1, min(budget // per_block, -(-tokens // block_size)))

@@ -78,7 +78,13 @@ class OutputProcessor:
                     )
             if scores and state.scores is not None and seq.seq_id in scores:
                 state.scores.setdefault(seq.index, []).append(scores[seq.seq_id])
-            self._check_stop_string(state, seq, scheduler)
+            try:
+                self._check_stop_string(state, seq, scheduler)
+            except Exception as e:  # noqa: BLE001 - a failing check (e.g. the tokenizer) fails this request only
+                seq.error = f"stop string check failed: {type(e).__name__}: {e}"
+                state.stop_checkers.pop(seq.index, None)
+                if not seq.is_finished:
+                    scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_ERROR)
             touched[state.request_id] = state
         return [self.emit(state) for state in touched.values()]
 

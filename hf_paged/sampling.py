@@ -33,6 +33,7 @@ def apply_top_k_top_p(
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop[:, 0] = False  # the most likely token always stays (a top_p below float32's range would drop it)
     drop = torch.empty_like(drop).scatter_(1, order, drop)
     return logits.masked_fill(drop, float("-inf"))
 
@@ -42,6 +43,14 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
     return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+class NonFiniteLogits(ValueError):
+    """The model produced NaN or infinite logits for some rows: sampling them would be garbage."""
+
+    def __init__(self, seq_ids: list[int]) -> None:
+        super().__init__(f"the model produced non-finite (NaN or inf) logits for sequence(s) {seq_ids}")
+        self.seq_ids = seq_ids
 
 
 @dataclass
@@ -113,6 +122,8 @@ class Sampler:
         sub = logits.index_select(0, idx)
         # HF's RepetitionPenaltyLogitsProcessor: shrink the logits of every token already seen
         penalized = torch.where(sub < 0, sub * penalty, sub / penalty)
+        # an extreme penalty must not overflow a logit to inf (softmax would turn the row into NaN)
+        penalized = penalized.clamp(min=torch.finfo(sub.dtype).min, max=torch.finfo(sub.dtype).max)
         logits.index_copy_(0, idx, torch.where(seen, penalized, sub))
 
     def sample(
@@ -124,6 +135,9 @@ class Sampler:
         """
         logits = logits.float()
         vocab = logits.shape[-1]
+        bad = torch.isnan(logits).any(dim=-1) | (logits == float("inf")).any(dim=-1) | (logits == float("-inf")).all(dim=-1)
+        if bool(bad.any()):
+            raise NonFiniteLogits([states[i].seq_id for i in bad.nonzero().flatten().tolist()])
         for i, st in enumerate(states):
             if not st.stop_tokens_allowed and st.stop_token_ids:
                 banned = [t for t in st.stop_token_ids if t < vocab]
@@ -143,7 +157,7 @@ class Sampler:
         sub = sub / temps[:, None]
         top_k = top_p = None
         if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=logits.device)
+            top_k = torch.tensor([min(p.top_k, vocab) for p in params], device=logits.device)
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([p.top_p for p in params], device=logits.device)
         if top_k is not None or top_p is not None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+# Temperatures below this mean greedy (vLLM's convention): dividing logits by a denormal overflows them.
+SAMPLING_EPS = 1e-5
+MAX_SEED = 2**64 - 1  # what a torch.Generator accepts
+
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -27,12 +31,13 @@ class SamplingParams:
 
     Args:
         max_tokens: Maximum number of tokens to generate (>= 1).
-        temperature: Softmax temperature (>= 0); 0 means greedy (argmax).
-        top_k: Keep only the k most likely tokens; 0 disables.
+        temperature: Softmax temperature (>= 0); 0, and anything below 1e-5, means greedy (argmax).
+        top_k: Keep only the k most likely tokens; 0 disables; a k larger than the vocabulary keeps every
+            token (clamped to the vocabulary size).
         top_p: Nucleus sampling: keep the smallest set of tokens whose probability sums to >= top_p, in (0, 1].
         min_p: Drop tokens whose probability is below ``min_p`` times the top token's, in [0, 1].
-        seed: Seed of this request's own random generator: the same seed gives the same tokens whatever
-            else is in the batch.
+        seed: Seed of this request's own random generator, in [0, 2**64 - 1] (with ``n`` samples, ``seed + n -
+            1`` must be too): the same seed gives the same tokens whatever else is in the batch.
         stop_token_ids: Extra token ids that end the request (the token is kept in the output).
         ignore_eos: Do not stop at the model's end-of-sequence token(s).
         min_tokens: Stop tokens (EOS and ``stop_token_ids``) cannot be produced before this many tokens.
@@ -73,7 +78,7 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            _check_int("seed", self.seed, 0)
+            _check_int("seed", self.seed, 0, MAX_SEED)
         if self.stop_token_ids is not None:
             if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
                 raise TypeError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
@@ -97,12 +102,14 @@ class SamplingParams:
                     raise ValueError(f"stop strings must be non-empty str, got {text!r}")
 
         _check_int("n", self.n, 1)
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise ValueError(f"seed + n - 1 must be <= {MAX_SEED} (sample i uses seed + i), got seed={self.seed}, n={self.n}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     def clone(self, **changes: object) -> SamplingParams:
         return replace(self, **changes)

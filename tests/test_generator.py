@@ -310,9 +310,15 @@ def test_model_without_attention_interface_is_rejected():
 
 def test_default_pool_sizing_from_memory():
     model = make_model("llama")
-    engine = PagedGenerator(model, max_num_seqs=4)  # capped at 4 full-length sequences
-    assert engine.pool.capacity_tokens == 4 * 1024
+    engine = PagedGenerator(model, max_num_seqs=4)  # 4 sequences of 512 tokens, at least one of 1024
+    assert engine.pool.capacity_tokens == 4 * 512
     assert engine.max_model_len == 1024
+    engine.close()
+    engine = PagedGenerator(model, max_num_seqs=1)
+    assert engine.pool.capacity_tokens == 1024  # one full-length sequence always fits
+    engine.close()
+    engine = PagedGenerator(model, max_num_seqs=128, kv_cache_memory_fraction=1e-9)
+    assert engine.pool.num_blocks == 1  # the memory cap wins
     engine.close()
     engine = PagedGenerator(model, kv_cache_memory=2**20, block_size=16)
     per_token = 2 * 2 * 2 * 16 * 4  # layers * (k, v) * kv_heads * head_dim * fp32

@@ -18,12 +18,17 @@ ENGINE = "hf_paged"
 
 
 def run_engine(model, prompts, params, engine_kw: dict, track_kv: bool = False) -> tuple[SystemResult, list[list[int]], dict]:
-    """Time hf_paged from first submission to last token; optionally track KV allocation per step."""
+    """Time hf_paged from first submission to last token; optionally track KV allocation and RSS per step."""
+    import psutil
+
     engine = PagedGenerator(model, **engine_kw)
     engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
     engine.kv_manager.reset_prefix_cache()  # the timed run starts cold
     params = params if isinstance(params, list) else [params] * len(prompts)
     peak = (0, 1)
+    proc = psutil.Process()
+    rss_start = rss_peak = proc.memory_info().rss
+    peak_used_blocks = 0
     start = time.perf_counter()
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     done: dict[str, list[int]] = {}
@@ -36,11 +41,20 @@ def run_engine(model, prompts, params, engine_kw: dict, track_kv: bool = False) 
             held = sum(r.num_computed_tokens for r in engine.scheduler.running)
             if allocated > peak[0] and held:
                 peak = (allocated, held)
+            peak_used_blocks = max(peak_used_blocks, engine.kv_manager.num_used_blocks)
+            rss_peak = max(rss_peak, proc.memory_info().rss)
     seconds = time.perf_counter() - start
     engine_stats = engine.stats()
+    mib = 2**20
     stats = {"steps": engine.num_steps, "preemptions": sum(engine.scheduler.num_preemptions.values()),
              "kv_waste": round(peak[0] / peak[1], 3) if track_kv else None,
              "prefix_cache_hit_rate": round(engine_stats.prefix_cache_hit_rate, 3)}
+    if track_kv:
+        stats["kv_memory_mib"] = {
+            "pool": round(engine.pool.total_bytes / mib, 1),
+            "peak_live_kv": round(peak_used_blocks * engine.pool.bytes_per_block / mib, 1),
+            "peak_rss_growth": round((rss_peak - rss_start) / mib, 1),
+        }
     engine.close()
     outputs = [done[i] for i in ids]
     return SystemResult(ENGINE, sum(len(o) for o in outputs), seconds, {"steps": stats["steps"]}), outputs, stats
@@ -125,6 +139,7 @@ def mixed(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None,
         "requests": len(prompts),
         "kv_waste_hf_paged": stats["kv_waste"],
         "kv_waste_hf_static_batches": hf_waste,
+        "kv_memory_mib": stats.get("kv_memory_mib"),
         "mfu": {r.system: round(2 * n_params * r.tok_per_s / flops, 4) for r in results},
         "matmul_gflops": round(flops / 1e9, 1),
         "compute_params": n_params,

@@ -129,6 +129,12 @@ class Scheduler:
                 f"prompt has {n} tokens, more than max_num_batched_tokens={self.max_num_batched_tokens} "
                 "and chunked prefill is disabled"
             )
+        n_samples = request.sampling_params.n
+        if n_samples > self.max_num_seqs:
+            raise ValueError(
+                f"n={n_samples} samples exceed max_num_seqs={self.max_num_seqs}: the samples of one request run "
+                "side by side; raise max_num_seqs or ask for fewer samples"
+            )
         # The most slots a sequence can ever hold: it stops at max_model_len tokens, and the last
         # sampled token is never fed back.
         longest = max(min(n + request.sampling_params.max_tokens - 1, self.max_model_len), n)

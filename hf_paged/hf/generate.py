@@ -237,7 +237,7 @@ def _add_rows(engine, gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: 
     stop = gen_cfg.stop_strings
     tokenizer = model_kwargs.get("tokenizer")
     if stop is not None and tokenizer is None and engine.tokenizer is None:
-        raise ValueError("stop_strings need a tokenizer: pass tokenizer= to generate (as with stock generate)")
+        raise ValueError(f"stop_strings={stop!r} need a tokenizer: pass tokenizer= to generate (as with stock generate)")
     n_return = gen_cfg.num_return_sequences or 1
     sampled = bool(gen_cfg.do_sample)
     # Seeds drawn from torch's global generator: torch.manual_seed(...) makes a sampled call reproducible,

@@ -72,7 +72,7 @@ def pipeline(model, tokenizer=None, dtype=None, device: str | None = None, **eng
         model, loaded_tokenizer = load_model(model, dtype=dtype or "fp32", device=device or "cpu")
         tokenizer = tokenizer or loaded_tokenizer
     if tokenizer is None:
-        raise ValueError("hf_paged.pipeline needs a tokenizer when given a model object")
+        raise ValueError(f"hf_paged.pipeline needs a tokenizer when given a model object ({type(model).__name__}), got tokenizer=None")
     if not is_wrapped(model):
         wrap(model, tokenizer, **engine_config)
     return hf_pipeline("text-generation", model=model, tokenizer=tokenizer)
