@@ -91,6 +91,7 @@ class BeamSearch:
         self.batch_offset = torch.arange(B).view(-1, 1) * K
         self.t = 0  # tokens generated so far
         self.done = False
+        self.error: str | None = None  # why the search failed (a failed engine step), if it did
         self.scores: list[torch.Tensor] | None = [] if keep_scores else None
         # Beams never stop by themselves: the search finishes them. Greedy params keep the runner from sampling.
         seq_params = SamplingParams(max_tokens=M + 1, temperature=0.0, ignore_eos=True)
@@ -120,6 +121,10 @@ class BeamSearch:
         for seq_id in self.waiting_for():
             scheduler.abort_request(seq_id)
         self.done = True
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"beam search failed: {self.error}")
 
     # -- one step of stock beam search ------------------------------------------------------------
     def _processed_log_probs(self) -> torch.Tensor:

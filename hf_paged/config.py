@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
 from hf_paged.kernels import BACKENDS
+from hf_paged.spec_decode.config import SpeculativeConfig
 
 
 @dataclass
@@ -36,6 +38,10 @@ class EngineConfig:
             a group, i.e. n > 1 samples and beams, recompute single ones). Swap falls back to recompute when
             the swap space is full.
         swap_space: Bytes of host memory for swapped-out blocks (0: no swapping).
+        speculative_config: Speculative decoding (vLLM's keys): a dict or
+            :class:`~hf_paged.spec_decode.SpeculativeConfig` with ``method`` ("ngram" or "draft_model"),
+            ``num_speculative_tokens``, ``prompt_lookup_min``/``prompt_lookup_max``, ``model`` (a draft model,
+            a folder, or "self:N") and ``disable_by_batch_size``. None: off.
         prepack_weights: Pack ``nn.Linear`` weights once (CPU): faster engine matmuls for about the weights'
             size in extra memory. None: per dtype, the fastest of plain ``F.linear`` and the packings that
             pass their probe on this CPU (timed once at start); True: the fastest packing (error if none
@@ -57,6 +63,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "auto"
     swap_space: int = 0
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
@@ -78,6 +85,7 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         _require_int("swap_space", self.swap_space, 0)
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         pw = self.prepack_weights
         if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in ("mkl", "onednn", "upcast"))):
             raise ValueError(

@@ -4,6 +4,7 @@ stop tokens, and prompt validation."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 
 import torch
@@ -81,6 +82,24 @@ def maybe_prepack(model: torch.nn.Module, cfg: EngineConfig, device: torch.devic
         )
         raise RuntimeError(f"prepack_weights={want!r}: no nn.Linear weight of this model can be packed here ({why})")
     return packed
+
+
+def make_proposer(spec, runner, max_model_len: int):
+    """The proposer a :class:`~hf_paged.spec_decode.SpeculativeConfig` asks for."""
+    if spec.method == "ngram":
+        from hf_paged.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    from hf_paged.spec_decode.draft_model import DraftModelProposer
+
+    draft = spec.model
+    if isinstance(draft, str) and spec.self_draft_layers is None:
+        from hf_paged.models import load_model
+
+        if not os.path.isdir(draft):
+            raise ValueError(f"speculative_config model {draft!r}: no such folder (give a model, a folder or 'self:N')")
+        draft, _ = load_model(draft, dtype=next(runner.model.parameters()).dtype, device=runner.device)
+    return DraftModelProposer(runner, None if spec.self_draft_layers else draft, spec.self_draft_layers, max_model_len)
 
 
 def token_ids(prompt, tokenizer, vocab_size: int) -> tuple[list[int], str | None]:

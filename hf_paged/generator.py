@@ -17,8 +17,10 @@ from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
 from hf_paged.core.scheduler_output import SchedulerOutput
 from hf_paged.engine_setup import (
-    as_prompt_list, build_pool, eos_token_ids, maybe_prepack, per_prompt, release_model, token_ids,
+    as_prompt_list, build_pool, eos_token_ids, make_proposer, maybe_prepack, per_prompt, release_model, token_ids,
 )
+from hf_paged.spec_decode.config import SpeculativeConfig
+from hf_paged.spec_decode.speculator import Speculator, spec_key
 from hf_paged.kernels import resolve_backend
 from hf_paged.output_processor import OutputProcessor, RequestState
 from hf_paged.outputs import DeltaTracker, EngineStats, RequestOutput, delta_output
@@ -65,12 +67,19 @@ class PagedGenerator:
         self.kv_manager = KVCacheManager(
             self.pool.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.pool.num_host_blocks
         )
+        self.sampler = Sampler(self.device, cfg.seed)
+        self.runner = ModelRunner(model, self.pool, self.backend, self.sampler, self.max_model_len)
+        self.runner.speculator = Speculator()
+        try:
+            if cfg.speculative_config is not None:
+                self._spec_settings(cfg.speculative_config)  # build the default proposer now: errors at start
+        except BaseException:
+            release_model(model, self.packed is not None)
+            raise
         self.scheduler = Scheduler(
             self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
             cfg.enable_chunked_prefill, cfg.scheduling_policy, cfg.preemption_mode,
         )
-        self.sampler = Sampler(self.device, cfg.seed)
-        self.runner = ModelRunner(model, self.pool, self.backend, self.sampler)
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.outputs = OutputProcessor(tokenizer)
@@ -96,6 +105,7 @@ class PagedGenerator:
         tokenizer=None,
         return_scores: bool = False,
         queue_outputs: bool = False,
+        speculative_config: SpeculativeConfig | dict | None = None,
     ) -> str:
         """Queue one request; returns its id. Bad input raises ValueError/TypeError and changes nothing.
 
@@ -109,14 +119,18 @@ class PagedGenerator:
                 readable with :meth:`scores_of`.
             queue_outputs: Keep every output of this request in its own queue, read with :meth:`poll` or
                 :meth:`next_output`, whichever thread runs the steps that produce them.
+            speculative_config: Speculate for this request with these settings instead of the engine's
+                (same keys as the engine's ``speculative_config``).
         """
         with self._lock:
-            request, state = self._make_request(prompt, sampling_params, request_id, priority, tokenizer, return_scores)
+            request, state = self._make_request(
+                prompt, sampling_params, request_id, priority, tokenizer, return_scores, speculative_config
+            )
             self._admit(request, state, queue_outputs)
             return request.request_id
 
     def _make_request(
-        self, prompt, sampling_params, request_id, priority, tokenizer=None, return_scores=False
+        self, prompt, sampling_params, request_id, priority, tokenizer=None, return_scores=False, speculative=None,
     ) -> tuple[Request, RequestState]:
         """Validate one request (raising ValueError/TypeError) without admitting it."""
         self._check_usable()
@@ -137,12 +151,25 @@ class PagedGenerator:
         if outside:
             raise ValueError(f"stop_token_ids {outside} are outside the vocabulary [0, {self.vocab_size})")
         request = Request(rid, ids, params, self.eos_token_ids, self.max_model_len, prompt=text, priority=priority)
+        spec = SpeculativeConfig.from_value(speculative) if speculative is not None else self.config.speculative_config
+        if spec is not None and params.num_speculative_tokens != 0:
+            request.spec_key, request.spec_k, request.spec_lookahead, request.spec_disable_batch_size = (
+                self._spec_settings(spec)
+            )
         self.scheduler.check_request(request)
         state = RequestState(rid, text, request.prompt_token_ids, params.n, request.arrival_time, tokenizer)
         if return_scores:
             request.scores = []
             state.scores = {}
         return request, state
+
+    def _spec_settings(self, spec: SpeculativeConfig) -> tuple[str, int, int, int | None]:
+        """(proposer key, k, lookahead slots, batch limit) for a configuration; its proposer is made once."""
+        key = spec_key(spec)
+        if key not in self.runner.speculator.proposers:
+            self.runner.speculator.add(key, make_proposer(spec, self.runner, self.max_model_len))
+        lookahead = spec.num_speculative_tokens if spec.method == "draft_model" else 0
+        return key, spec.num_speculative_tokens, lookahead, spec.disable_by_batch_size
 
     def _admit(self, request: Request, state: RequestState, queue_outputs: bool) -> None:
         if state.request_id in self.outputs.requests:
@@ -208,7 +235,9 @@ class PagedGenerator:
         return self.outputs.process(changed, self.scheduler, result.scores)
 
     def _weights_version(self) -> int:
-        return sum(p._version for p in self.model.parameters()) + hash(tuple(id(p) for p in self.model.parameters()))
+        # Inference tensors keep no version counter: only their replacement (a new object) is seen.
+        params = list(self.model.parameters())
+        return sum(p._version for p in params if not p.is_inference()) + hash(tuple(id(p) for p in params))
 
     def _drop_stale_prefix_cache(self) -> None:
         """Cached KV was computed with the weights of its time: forget it when a weight changed (a training
@@ -225,7 +254,7 @@ class PagedGenerator:
     def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         message = f"engine step failed: {type(error).__name__}: {error}"
         failed = []
-        for seq_id in [s.seq_id for s in out.scheduled] + out.preempted_seq_ids:
+        for seq_id in [s.seq_id for s in out.scheduled] + out.preempted_seq_ids + out.swapped_in_seq_ids:
             request = self.scheduler.requests.get(seq_id)
             if request is None or (seq_id in out.preempted_seq_ids and request.status is not RequestStatus.SWAPPED):
                 continue  # recompute victims lost nothing
@@ -234,6 +263,7 @@ class PagedGenerator:
             failed.append(request)
         for search in list(self._beam_searches):
             if any(r.seq_id not in self.scheduler.requests for row in search.running for r in row):
+                search.error = message
                 search.abort(self.scheduler)
                 self._beam_searches.remove(search)
         return self.outputs.process(failed, self.scheduler)
@@ -294,9 +324,11 @@ class PagedGenerator:
         too). Every item produced for the request arrives, whoever ran the step. Closing the iterator early
         aborts the request; an abort from elsewhere ends the stream with a ``finish_reason="abort"`` item.
         """
-        rid = self.add_request(prompt, sampling_params, request_id, priority, queue_outputs=True)
-        state = self.outputs.state_of(rid)
-        params = state.first.sampling_params
+        with self._lock:
+            request, state = self._make_request(prompt, sampling_params, request_id, priority)
+            self._admit(request, state, queue_outputs=True)
+        rid = state.request_id
+        params = request.sampling_params
         # Text that could still turn out to be the start of a stop string is held back until it cannot.
         hold = max((len(s) - 1 for s in params.stop or ()), default=0)
         deltas = [DeltaTracker(self.tokenizer, hold) for _ in range(state.n)]
@@ -356,6 +388,7 @@ class PagedGenerator:
         prompt_ids = [token_ids(p, self.tokenizer, self.vocab_size)[0] for p in as_prompt_list(prompts)]
         search = self.start_beam_search(prompt_ids, params)
         self.run_until(lambda: search.done)
+        search.raise_if_failed()
         return search.results(params.num_return_sequences, self.tokenizer)
 
     def start_beam_search(
@@ -418,6 +451,10 @@ class PagedGenerator:
                 num_generated_tokens=sched.num_generated_tokens,
                 num_requests_finished=self.outputs.num_finished,
                 num_steps=self.num_steps,
+                spec_num_drafts=sched.spec_num_drafts,
+                spec_num_draft_tokens=sched.spec_num_draft_tokens,
+                spec_num_accepted_tokens=sched.spec_num_accepted_tokens,
+                spec_accepted_per_position=list(sched.spec_accepted_per_position),
             )
 
     def _check_usable(self) -> None:
@@ -435,6 +472,7 @@ class PagedGenerator:
                 search.abort(self.scheduler)
             self._beam_searches.clear()
             self._closed = True
+            self.runner.speculator.close()
             self._release()  # once: the finalizer is dead afterwards
             self.packed = None
             self.pool.kv_caches.clear()

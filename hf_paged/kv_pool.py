@@ -89,8 +89,10 @@ def copy_blocks(caches, pairs: list[tuple[int, int]], dst_caches=None) -> None:
     for (k, v), (dk, dv) in zip(caches, dst_caches):
         src = torch.tensor([s for s, _ in pairs], device=k.device)
         dst = torch.tensor([d for _, d in pairs], device=dk.device)
-        dk.index_copy_(0, dst, k.index_select(0, src).to(dk.device, non_blocking=True))
-        dv.index_copy_(0, dst, v.index_select(0, src).to(dv.device, non_blocking=True))
+        # host-to-device may overlap; device-to-host must not (the CPU reads the buffer right away)
+        non_blocking = dk.device.type == "cuda"
+        dk.index_copy_(0, dst, k.index_select(0, src).to(dk.device, non_blocking=non_blocking))
+        dv.index_copy_(0, dst, v.index_select(0, src).to(dv.device, non_blocking=non_blocking))
 
 
 class KVPool:

@@ -77,7 +77,7 @@ class OutputProcessor:
                         state.tokenizer or self.tokenizer, first.stops, seq.prompt_token_ids
                     )
             if scores and state.scores is not None and seq.seq_id in scores:
-                state.scores.setdefault(seq.index, []).append(scores[seq.seq_id])
+                state.scores.setdefault(seq.index, []).extend(scores[seq.seq_id])
             try:
                 self._check_stop_string(state, seq, scheduler)
             except Exception as e:  # noqa: BLE001 - a failing check (e.g. the tokenizer) fails this request only
@@ -105,10 +105,11 @@ class OutputProcessor:
     def emit(self, state: RequestState) -> RequestOutput:
         """Build the request's output, queue it for its reader, and forget the request once finished."""
         out = self.output(state)
-        if out.finished and self.requests.pop(state.request_id, None) is not None:
-            self.num_finished += 1
-            if state.queue is not None:
+        if out.finished and state.request_id in self.requests:
+            if state.queue is not None:  # in both maps for a moment, never in neither (readers do not lock)
                 self.finished_queues[state.request_id] = state
+            del self.requests[state.request_id]
+            self.num_finished += 1
         if state.queue is not None:
             with self.ready:
                 state.queue.append(out)

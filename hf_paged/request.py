@@ -82,9 +82,15 @@ class Request:
         self.max_model_len = max_model_len
         self.forked = sampling_params.n == 1  # n > 1: the other samples are forked at the first sample
         self.is_beam = False  # a beam: the runner returns its log-prob row, the beam search picks the token
+        self.parked = False  # preempted while waiting for its beam search: not admitted before a new token
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
-        self.spec_token_ids: list[int] = []  # draft tokens scheduled for verification this step
+        self.spec_token_ids: list[int] = []  # drafts to verify next step (from the runner's last output)
+        # speculative decoding settings (plain data): proposer key, most drafts, lookahead slots, batch limit
+        self.spec_key: str | None = None
+        self.spec_k = 0
+        self.spec_lookahead = 0
+        self.spec_disable_batch_size: int | None = None
         self.error: str | None = None  # why a request finished with status FINISHED_ERROR
         # When a list, the sampler appends each step's processed logits row (for HF's output_scores).
         self.scores: list | None = None
@@ -140,6 +146,7 @@ class Request:
         child.output_token_ids = list(self.output_token_ids)
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         child.spec_token_ids = []
+        child.parked = False
         child.scores = None if self.scores is None else list(self.scores)
         return child
 

@@ -18,6 +18,8 @@ from hf_paged.kv_pool import KVPool
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SampledLogprobs, ScheduledSequence, SchedulerOutput
 from hf_paged.kernels import TorchAttentionPlan, cpu_attention
 from hf_paged.sampling import Sampler, SeqState
+from hf_paged.spec_decode.speculator import Speculator
+from hf_paged.spec_decode.verifier import verify
 
 logger = logging.getLogger(__name__)
 
@@ -57,19 +59,24 @@ def pack_step(
         tables.append(table)
         seq_lens.append(end)
         cu.append(cu[-1] + item.num_new_tokens)
-        if item.sample:
-            sample_rows.append(cu[-1] - 1)
+        if item.sample:  # a verified sequence needs the logits of its last token and of every draft
+            sample_rows.extend(range(cu[-1] - 1 - item.num_draft_tokens, cu[-1]))
     return ids, positions, slots, tables, seq_lens, cu, sample_rows
 
 
 class ModelRunner:
     """Runs scheduled steps on a HF model whose attention is "hf_paged"."""
 
-    def __init__(self, model: torch.nn.Module, pool: KVPool, backend: str, sampler: Sampler) -> None:
+    def __init__(
+        self, model: torch.nn.Module, pool: KVPool, backend: str, sampler: Sampler, max_model_len: int,
+        speculator: Speculator | None = None,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.backend = backend
         self.sampler = sampler
+        self.max_model_len = max_model_len
+        self.speculator = speculator
         self.device = pool.device
         self.block_size = pool.block_size
         self.states: dict[int, SeqState] = {}
@@ -79,11 +86,17 @@ class ModelRunner:
     def update_states(self, out: SchedulerOutput) -> None:
         for seq_id in out.finished_seq_ids:
             self.states.pop(seq_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(out.finished_seq_ids, out.preempted_seq_ids)
         for data in out.new_sequences:
             self.states[data.seq_id] = SeqState.from_new(data)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        ids, positions, slots, tables, seq_lens, cu, sample_rows = pack_step(out.scheduled, self.block_size)
+        return self.prepare_batch(out.scheduled, self.pool.kv_caches)
+
+    def prepare_batch(self, scheduled: list[ScheduledSequence], kv_caches) -> StepInputs:
+        """Pack sequences into one ragged batch over the pool ``kv_caches`` (the target's, or a draft's)."""
+        ids, positions, slots, tables, seq_lens, cu, sample_rows = pack_step(scheduled, self.block_size)
         device = self.device
         max_blocks = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=device)
@@ -102,7 +115,7 @@ class ModelRunner:
             cu_seqlens_q=cu_t,
             max_seqlen_q=max(q_lens),
             max_seqlen_k=max(seq_lens),
-            kv_caches=self.pool.kv_caches,
+            kv_caches=kv_caches,
             backend=self.backend,
             has_padding=False,
             torch_plan=plan,
@@ -112,20 +125,21 @@ class ModelRunner:
             position_ids=torch.tensor([positions], dtype=torch.long, device=device),
             metadata=meta,
             logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=device),
-            sampled=[item for item in out.scheduled if item.sample],
+            sampled=[item for item in scheduled if item.sample],
         )
 
-    def compute_logits(self, inputs: StepInputs) -> torch.Tensor:
-        """Forward the packed step; logits ``[N, V]`` at the sampled rows only."""
+    def compute_logits(self, inputs: StepInputs, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Forward the packed step (through ``model``, the target by default); logits ``[N, V]`` at the
+        sampled rows only."""
+        model = self.model if model is None else model
         kwargs = {METADATA_KWARG: inputs.metadata}
-        if self._logits_to_keep:
+        keep = self._logits_to_keep if model is self.model else "logits_to_keep" in inspect.signature(model.forward).parameters
+        if keep:
             kwargs["logits_to_keep"] = inputs.logits_indices
         with engine_forward():
-            output = self.model(
-                input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False, **kwargs
-            )
+            output = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False, **kwargs)
         logits = output.logits[0]
-        if not self._logits_to_keep:
+        if not keep:
             logits = logits.index_select(0, inputs.logits_indices)
         return logits
 
@@ -136,6 +150,8 @@ class ModelRunner:
         self.pool.swap_out(out.swap_out)
         self.pool.swap_in(out.swap_in)
         self.pool.copy_blocks(out.block_copies)
+        if self.speculator is not None:
+            self.speculator.move_blocks(out)
         inputs = self.prepare(out)
         if not inputs.sampled:
             # Only mid-prompt chunks: the KV still has to be written, but no logits are needed.
@@ -147,35 +163,75 @@ class ModelRunner:
 
     # -- sampling -----------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, sampled: list[ScheduledSequence]) -> ModelRunnerOutput:
-        """Tokens for the sampled rows; a row that forks (n > 1) is sampled once per sample."""
+        """Tokens for the sampled rows: a row that forks (n > 1) is sampled once per sample, a sequence with
+        drafts is verified (accepted drafts + one token); then drafts for the next step are proposed."""
         result = ModelRunnerOutput()
         rows: list[int] = []
         states: list[SeqState] = []
-        for k, item in enumerate(sampled):
+        verify_items: list[tuple[int, ScheduledSequence, SeqState]] = []
+        row = 0
+        for item in sampled:
             state = self.states[item.seq_id]
             if state.is_beam:
-                result.beam_rows[item.seq_id] = torch.log_softmax(logits[k].float(), dim=-1)
-                continue
-            rows.append(k)
-            states.append(state)
-            for index, child_id in enumerate(item.fork_seq_ids, start=1):
-                child = self.states[child_id] = state.fork(child_id, index)
-                rows.append(k)
-                states.append(child)
-        if not rows:
-            return result
-        sub = logits if rows == list(range(len(sampled))) else logits[rows]
-        scores: dict[int, torch.Tensor] = {}
-        tokens = self._sample_isolated(sub, states, scores, result.errors)
-        for i, (state, token) in enumerate(zip(states, tokens)):
-            if token is None:
-                continue
-            state.output_token_ids.append(token)
-            result.sampled_token_ids[state.seq_id] = [token]
-            if state.params.logprobs is not None:
-                result.logprobs[state.seq_id] = [_logprobs(sub[i], token, state.params.logprobs)]
+                result.beam_rows[item.seq_id] = torch.log_softmax(logits[row].float(), dim=-1)
+            elif item.num_draft_tokens:
+                verify_items.append((row, item, state))
+            else:
+                rows.append(row)
+                states.append(state)
+                for index, child_id in enumerate(item.fork_seq_ids, start=1):
+                    child = self.states[child_id] = state.fork(child_id, index)
+                    rows.append(row)
+                    states.append(child)
+            row += 1 + item.num_draft_tokens
+        scores: dict = {}
+        if rows:
+            sub = logits if len(rows) == logits.shape[0] else logits[rows]
+            tokens = self._sample_isolated(sub, states, scores, result.errors)
+            for i, (state, token) in enumerate(zip(states, tokens)):
+                if token is not None:
+                    self._emit(result, state, [token], sub[i : i + 1])
+        if verify_items:
+            self._verify(logits, verify_items, result, scores)
         result.scores = scores
+        proposing = [item for item in sampled if item.propose and item.seq_id in result.sampled_token_ids]
+        if self.speculator is not None and proposing:
+            states = [self.states[item.seq_id] for item in proposing]
+            result.spec_token_ids = self.speculator.propose(states, self.max_model_len, proposing)
         return result
+
+    def _emit(self, result: ModelRunnerOutput, state: SeqState, tokens: list[int], rows: torch.Tensor) -> None:
+        state.output_token_ids.extend(tokens)
+        result.sampled_token_ids[state.seq_id] = tokens
+        if state.params.logprobs is not None:
+            result.logprobs[state.seq_id] = [_logprobs(rows[i], t, state.params.logprobs) for i, t in enumerate(tokens)]
+
+    def _verify(self, logits: torch.Tensor, items: list, result: ModelRunnerOutput, scores: dict) -> None:
+        index = torch.tensor([r for row, item, _ in items for r in range(row, row + 1 + item.num_draft_tokens)],
+                             device=logits.device)
+        sub = logits.index_select(0, index)
+        states = [state for _, _, state in items]
+        drafts = [item.token_ids[-item.num_draft_tokens :] for _, item, _ in items]
+        try:
+            emitted = verify(self.sampler, sub, states, drafts, scores)
+        except Exception:  # noqa: BLE001 - isolate the failing sequence below
+            emitted = []
+            offset = 0
+            for state, draft in zip(states, drafts):
+                try:
+                    emitted.append(verify(self.sampler, sub[offset : offset + len(draft) + 1], [state], [draft], scores)[0])
+                except Exception as e:  # noqa: BLE001
+                    result.errors[state.seq_id] = f"sampling failed: {type(e).__name__}: {e}"
+                    emitted.append(None)
+                offset += len(draft) + 1
+        offset = 0
+        for state, draft, tokens in zip(states, drafts, emitted):
+            if tokens is not None:
+                self._emit(result, state, tokens, sub[offset : offset + len(tokens)])
+                result.num_draft_tokens[state.seq_id] = len(draft)
+                result.num_accepted_tokens[state.seq_id] = len(tokens) - 1
+                state.record_acceptance(len(draft), len(tokens) - 1)
+            offset += len(draft) + 1
 
     def _sample_isolated(
         self, logits: torch.Tensor, states: list[SeqState], scores: dict, errors: dict[int, str]

@@ -69,16 +69,26 @@ class SeqState:
     generator: torch.Generator | None = None
     seen: torch.Tensor | None = field(default=None, repr=False)  # [V] bool, repetition penalty
     seen_counted: int = 0
+    spec_key: str | None = None  # the proposer drafting for this sequence (speculative decoding), if any
+    spec_k: int = 0  # its most drafts per step
+    spec_ema: float = 1.0  # moving average of the fraction of drafts accepted
+    spec_idle: int = 0
+
+    def record_acceptance(self, proposed: int, accepted: int) -> None:
+        if proposed:
+            self.spec_ema = 0.7 * self.spec_ema + 0.3 * accepted / proposed
 
     @classmethod
     def from_new(cls, data: NewSequenceData) -> SeqState:
         return cls(data.seq_id, data.prompt_token_ids, list(data.output_token_ids), data.sampling_params,
-                   data.stop_token_ids, data.seed_offset, data.is_beam, data.want_scores)
+                   data.stop_token_ids, data.seed_offset, data.is_beam, data.want_scores,
+                   spec_key=data.spec_key, spec_k=data.spec_k)
 
     def fork(self, seq_id: int, seed_offset: int) -> SeqState:
         """Sample ``seed_offset`` of an n > 1 request: same history, its own generator (seed + offset)."""
         return SeqState(seq_id, self.prompt_token_ids, list(self.output_token_ids), self.params,
-                        self.stop_token_ids, seed_offset, self.is_beam, self.want_scores)
+                        self.stop_token_ids, seed_offset, self.is_beam, self.want_scores,
+                        spec_key=self.spec_key, spec_k=self.spec_k)
 
     @property
     def stop_tokens_allowed(self) -> bool:
@@ -111,13 +121,22 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def _apply_repetition_penalty(self, logits: torch.Tensor, states: Sequence[SeqState]) -> None:
+    def _apply_repetition_penalty(
+        self, logits: torch.Tensor, states: Sequence[SeqState], extras: Sequence[list[int]] | None
+    ) -> None:
         rows = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
         if not rows:
             return
         vocab = logits.shape[-1]
         idx = torch.tensor(rows, device=logits.device)
-        seen = torch.stack([states[i].seen_mask(vocab, logits.device) for i in rows])
+        masks = []
+        for i in rows:
+            mask = states[i].seen_mask(vocab, logits.device)
+            if extras is not None and extras[i]:
+                mask = mask.clone()
+                mask[[t for t in extras[i] if 0 <= t < vocab]] = True
+            masks.append(mask)
+        seen = torch.stack(masks)
         penalty = torch.tensor([states[i].params.repetition_penalty for i in rows], device=logits.device)[:, None]
         sub = logits.index_select(0, idx)
         # HF's RepetitionPenaltyLogitsProcessor: shrink the logits of every token already seen
@@ -126,6 +145,62 @@ class Sampler:
         penalized = penalized.clamp(min=torch.finfo(sub.dtype).min, max=torch.finfo(sub.dtype).max)
         logits.index_copy_(0, idx, torch.where(seen, penalized, sub))
 
+    def process(
+        self, logits: torch.Tensor, states: Sequence[SeqState], extras: Sequence[list[int]] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Each row's logits as its request samples from them: ``(processed [N, V] fp32, sampled rows)``.
+
+        Stop tokens banned under ``min_tokens``, the repetition penalty, and for sampled (non-greedy) rows
+        temperature, top-k, top-p and min-p. ``extras[i]``: tokens row i sees after its state's output (the
+        drafts before a verified position). Raises :class:`NonFiniteLogits` for NaN or +inf rows.
+        """
+        vocab = logits.shape[-1]
+        bad = torch.isnan(logits).any(dim=-1) | (logits == float("inf")).any(dim=-1) | (logits == float("-inf")).all(dim=-1)
+        if bool(bad.any()):
+            raise NonFiniteLogits(sorted({states[i].seq_id for i in bad.nonzero().flatten().tolist()}))
+        bans = []
+        for i, st in enumerate(states):
+            produced = len(st.output_token_ids) + (len(extras[i]) if extras is not None else 0)
+            if produced < st.params.min_tokens and st.stop_token_ids:
+                bans.append((i, [t for t in st.stop_token_ids if t < vocab]))
+        random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+        penalized = any(s.params.repetition_penalty != 1.0 for s in states)
+        # the caller's logits stay untouched (logprobs are computed from them); copy only what is changed
+        logits = logits.float().clone() if bans or random_rows or penalized else logits.float()
+        for i, banned in bans:
+            logits[i, banned] = float("-inf")
+        self._apply_repetition_penalty(logits, states, extras)
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            params = [states[i].params for i in random_rows]
+            sub = logits.index_select(0, rows) / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+            top_k = top_p = None
+            if any(p.top_k > 0 for p in params):
+                top_k = torch.tensor([min(p.top_k, vocab) for p in params], device=logits.device)
+            if any(p.top_p < 1.0 for p in params):
+                top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+            if top_k is not None or top_p is not None:
+                sub = apply_top_k_top_p(sub, top_k, top_p)
+            if any(p.min_p > 0 for p in params):
+                sub = apply_min_p(sub, torch.tensor([p.min_p for p in params], device=logits.device))
+            logits.index_copy_(0, rows, sub)
+        return logits, random_rows
+
+    def exponential_noise(self, states: Sequence[SeqState], vocab: int, device) -> torch.Tensor:
+        """``[N, V]`` Exp(1) noise, each seeded row from its own generator (one fixed-size draw per token)."""
+        noise = torch.empty(len(states), vocab, device=device)
+        unseeded = []
+        for j, st in enumerate(states):
+            gen = st.get_generator(device)
+            if gen is None:
+                unseeded.append(j)
+            else:
+                noise[j].exponential_(generator=gen)
+        if unseeded:
+            idx = torch.tensor(unseeded, device=device)
+            noise.index_copy_(0, idx, torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self.generator))
+        return noise
+
     def sample(
         self, logits: torch.Tensor, states: Sequence[SeqState], scores: dict[int, torch.Tensor] | None = None
     ) -> list[int]:
@@ -133,51 +208,14 @@ class Sampler:
 
         Rows of states that want HF's ``output_scores`` leave their processed logits in ``scores``.
         """
-        logits = logits.float()
-        vocab = logits.shape[-1]
-        bad = torch.isnan(logits).any(dim=-1) | (logits == float("inf")).any(dim=-1) | (logits == float("-inf")).all(dim=-1)
-        if bool(bad.any()):
-            raise NonFiniteLogits([states[i].seq_id for i in bad.nonzero().flatten().tolist()])
-        for i, st in enumerate(states):
-            if not st.stop_tokens_allowed and st.stop_token_ids:
-                banned = [t for t in st.stop_token_ids if t < vocab]
-                logits[i, banned] = float("-inf")
-        self._apply_repetition_penalty(logits, states)
-        random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
-        if not random_rows:
-            _capture_scores(logits, states, range(len(states)), scores)
-            return logits.argmax(dim=-1).tolist()
-        tokens = logits.argmax(dim=-1)
-        _capture_scores(logits, states, (i for i, s in enumerate(states) if s.params.greedy), scores)
-        sub_states = [states[i] for i in random_rows]
-        rows = torch.tensor(random_rows, device=logits.device)
-        sub = logits.index_select(0, rows)
-        params = [s.params for s in sub_states]
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
-        sub = sub / temps[:, None]
-        top_k = top_p = None
-        if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([min(p.top_k, vocab) for p in params], device=logits.device)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-        if top_k is not None or top_p is not None:
-            sub = apply_top_k_top_p(sub, top_k, top_p)
-        if any(p.min_p > 0 for p in params):
-            sub = apply_min_p(sub, torch.tensor([p.min_p for p in params], device=logits.device))
-        _capture_scores(sub, sub_states, range(len(sub_states)), scores)
-        probs = sub.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = []
-        for j, st in enumerate(sub_states):
-            gen = st.get_generator(logits.device)
-            if gen is None:
-                unseeded.append(j)
-            else:
-                noise[j].exponential_(generator=gen)
-        if unseeded:
-            idx = torch.tensor(unseeded, device=logits.device)
-            noise.index_copy_(0, idx, torch.empty(len(unseeded), vocab, device=logits.device).exponential_(generator=self.generator))
-        tokens.index_copy_(0, rows, (probs / noise).argmax(dim=-1))
+        processed, random_rows = self.process(logits, states)
+        _capture_scores(processed, states, range(len(states)), scores)
+        tokens = processed.argmax(dim=-1)
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            probs = processed.index_select(0, rows).softmax(dim=-1)
+            noise = self.exponential_noise([states[i] for i in random_rows], processed.shape[-1], logits.device)
+            tokens.index_copy_(0, rows, (probs / noise).argmax(dim=-1))
         return tokens.tolist()
 
 
@@ -189,4 +227,4 @@ def _capture_scores(
         return
     for i in rows:
         if states[i].want_scores:
-            scores[states[i].seq_id] = processed[i].clone()
+            scores[states[i].seq_id] = [processed[i].clone()]

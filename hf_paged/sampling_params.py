@@ -49,6 +49,8 @@ class SamplingParams:
             KV blocks until they diverge (copy-on-write). With ``seed``, sample ``i`` uses ``seed + i``.
         logprobs: When set (>= 0), each generated token comes with its log-probability under the model
             and the ``logprobs`` most likely alternatives (``CompletionOutput.logprobs``).
+        num_speculative_tokens: With speculative decoding on, lowers this request's drafts per step (0: this
+            request does not speculate); None: the engine's.
     """
 
     max_tokens: int = 16
@@ -64,6 +66,7 @@ class SamplingParams:
     stop: list[str] | None = field(default=None)
     n: int = 1
     logprobs: int | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -106,6 +109,8 @@ class SamplingParams:
             raise ValueError(f"seed + n - 1 must be <= {MAX_SEED} (sample i uses seed + i), got seed={self.seed}, n={self.n}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
+        if self.num_speculative_tokens is not None:
+            _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
 
     @property
     def greedy(self) -> bool:

@@ -1,7 +1,9 @@
 """A hypothesis state machine over the scheduling layer: every block is accounted for after every step.
 
 A fake runner executes each SchedulerOutput on a model of the KV pool that records which token each slot
-holds (swaps, copy-on-write copies and writes included). After every operation:
+holds (swaps, copy-on-write copies and writes included). Some requests speculate: the fake runner proposes
+random drafts, accepts a random prefix of them when verifying (the scheduler rolls the rest back), and, as
+a draft model would, scribbles into the look-ahead slots behind a sequence. After every operation:
 - every device and host block is free or held exactly ``ref_cnt`` times (``check_consistency``);
 - every sequence's computed tokens are really in its blocks (device, or host when swapped);
 - every cached block holds the tokens its hash was made from, and every hash chain matches the tokens.
@@ -20,7 +22,8 @@ from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from hf_paged.request import Request, RequestStatus
 from hf_paged.sampling_params import SamplingParams
 
-OPS = {"count": 0, "preempt": {"recompute": 0, "swap": 0}, "prefix_hits": 0, "copies": 0, "forks": 0}
+OPS = {"count": 0, "preempt": {"recompute": 0, "swap": 0}, "prefix_hits": 0, "copies": 0, "forks": 0,
+       "verified": 0, "rejected": 0}
 PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36, 37]]
 
 
@@ -45,10 +48,26 @@ class FakeRunner:
             for k, token in enumerate(s.token_ids):
                 p = s.start + k
                 self.dev[s.block_ids[p // self.bs]][p % self.bs] = token
-            if s.sample:
+            if not s.sample:
+                continue
+            if s.num_draft_tokens:  # verify: accept a random prefix of the drafts, then one token
+                drafts = s.token_ids[-s.num_draft_tokens :]
+                accepted = self.rng.randint(0, len(drafts))
+                result.sampled_token_ids[s.seq_id] = drafts[:accepted] + [self.token()]
+                OPS["verified"] += 1
+                OPS["rejected"] += accepted < len(drafts)
+            else:
                 for seq_id in [s.seq_id, *s.fork_seq_ids]:
-                    result.sampled_token_ids[seq_id] = [self.rng.choice([0, 1, 2, 3, 40, 41])]
+                    result.sampled_token_ids[seq_id] = [self.token()]
+            if s.propose:
+                result.spec_token_ids[s.seq_id] = [self.token() for _ in range(self.rng.randint(0, 3))]
+                # a draft model writes its KV behind the sequence while proposing: never anyone else's slots
+                for p in range(s.seq_len, len(s.block_ids) * self.bs):
+                    self.dev[s.block_ids[p // self.bs]][p % self.bs] = -1
         return result
+
+    def token(self) -> int:
+        return self.rng.choice([0, 1, 2, 3, 40, 41])
 
 
 class BlockAccounting(RuleBasedStateMachine):
@@ -71,12 +90,15 @@ class BlockAccounting(RuleBasedStateMachine):
         self.n = 0
 
     @rule(prefix=st.integers(0, len(PREFIXES) - 1), cut=st.integers(1, 8), tail=st.lists(st.integers(0, 50), max_size=5),
-          max_tokens=st.integers(1, 10), n=st.integers(1, 3), priority=st.integers(-2, 2))
-    def add(self, prefix, cut, tail, max_tokens, n, priority):
+          max_tokens=st.integers(1, 10), n=st.integers(1, 3), priority=st.integers(-2, 2),
+          speculate=st.sampled_from([None, 0, 3]))
+    def add(self, prefix, cut, tail, max_tokens, n, priority, speculate):
         OPS["count"] += 1
         prompt = PREFIXES[prefix][:cut] + tail
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, n=n)
         request = Request(f"r{self.n}", prompt, params, eos_token_ids=frozenset({0}), priority=priority)
+        if speculate is not None:  # ngram-like (no look-ahead) or draft-model-like (3 look-ahead slots)
+            request.spec_key, request.spec_k, request.spec_lookahead = "fake", 3, speculate
         self.n += 1
         try:
             self.sched.add_request(request)
@@ -156,3 +178,4 @@ def test_block_accounting_state_machine_runs_10k_operations():
     assert OPS["count"] - before >= 10_000, OPS
     # the interesting paths really ran
     assert OPS["preempt"]["recompute"] and OPS["preempt"]["swap"] and OPS["prefix_hits"] and OPS["copies"], OPS
+    assert OPS["verified"] and OPS["rejected"], OPS

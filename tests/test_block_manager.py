@@ -197,3 +197,24 @@ def test_growable_manager_grows_instead_of_failing():
     assert kv.allocate_slots("a", 0, 9) == [0, 1, 2] and kv.num_blocks == 3
     assert kv.allocate_slots("b", 0, 1) == [3] and kv.num_blocks >= 4
     kv.check_consistency()
+
+
+def test_truncate_to_a_partial_block_drops_its_stale_hash():
+    kv = make_kv()
+    old = list(range(8))
+    kv.allocate_slots("a", 0, 8)
+    kv.cache_blocks("a", Tokens(old), 8)
+    kv.truncate("a", 6)  # block 1 keeps 2 of its 4 tokens and will be written again
+    assert kv.pool.blocks[1].block_hash is None
+    assert ids(kv.find_cached_prefix(old + [9])[0]) == [0]
+    kv.check_consistency()
+
+
+def test_lookahead_slots_are_made_private_too():
+    kv = make_kv()
+    kv.allocate_slots("p", 0, 5, num_lookahead=4)  # 0, 1, 2 (2 holds lookahead only)
+    kv.fork("p", "c")
+    assert kv.allocate_slots("p", 5, 1, num_lookahead=4) == []
+    assert kv.get_block_ids("p") == [0, 3, 4] and kv.take_copies() == [(1, 3)]
+    assert [kv.pool.blocks[i].ref_cnt for i in (1, 2)] == [1, 1]
+    kv.check_consistency()

@@ -363,3 +363,91 @@ def test_an_engine_dropped_without_close_gives_the_model_back():
     PagedGenerator(model, num_blocks=64).generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
     gc.collect()
     assert model.config._attn_implementation == "sdpa"
+
+
+# -- regressions found in review ------------------------------------------------------------------------
+
+
+def test_beam_search_completes_when_its_beams_cannot_all_fit_the_pool():
+    """Idle beams (their row given, waiting for siblings) are preempted to let a sibling in."""
+    model = make_model("llama")
+    prompts = make_prompts(2, [30, 11], seed=14)
+    params = BeamSearchParams(beam_width=4, max_tokens=20)
+    roomy = PagedGenerator(model, block_size=16, num_blocks=200, enable_prefix_caching=False)
+    want = [[s.token_ids for s in r.sequences] for r in roomy.beam_search(prompts, params)]
+    roomy.close()
+    for num_blocks in (6, 10):
+        tight = PagedGenerator(model, block_size=16, num_blocks=num_blocks, enable_prefix_caching=False)
+        got = [[s.token_ids for s in r.sequences] for r in tight.beam_search(prompts, params)]
+        assert got == want and sum(tight.stats().num_preemptions.values()) > 0
+        assert tight.kv_manager.num_used_blocks == 0
+        tight.close()
+
+
+def test_beam_search_with_more_prompts_than_max_num_seqs():
+    model = make_model("llama")
+    prompts = make_prompts(5, [4, 9, 6, 12, 3], seed=15)
+    engine = PagedGenerator(model, block_size=4, num_blocks=256, max_num_seqs=4)
+    results = engine.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=5))
+    with torch.no_grad():
+        for prompt, result in zip(prompts, results):
+            want = model.generate(torch.tensor([prompt]), num_beams=2, max_new_tokens=5, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)
+            assert result.sequences[0].token_ids == want[0, len(prompt):].tolist()
+    engine.close()
+
+
+def test_a_failed_step_during_beam_search_raises_instead_of_returning_garbage(monkeypatch):
+    model = make_model("llama")
+    engine = PagedGenerator(model, block_size=4, num_blocks=256)
+    original = engine.runner.compute_logits
+    calls = {"n": 0}
+
+    def flaky(inputs, model=None):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("transient device error")
+        return original(inputs, model)
+
+    monkeypatch.setattr(engine.runner, "compute_logits", flaky)
+    with pytest.raises(RuntimeError, match="beam search failed: .*transient device error"):
+        engine.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=6))
+    assert engine.kv_manager.num_used_blocks == 0
+    engine.close()
+
+
+def test_a_failed_sample_of_a_fork_is_reported_and_leaves_no_state(monkeypatch):
+    from hf_paged.sampling import SeqState
+
+    model = make_model("llama")
+    engine = PagedGenerator(model, block_size=4, num_blocks=128)
+    original = SeqState.get_generator
+
+    def broken(self, device):
+        if self.seed_offset == 2:
+            raise RuntimeError("boom")
+        return original(self, device)
+
+    monkeypatch.setattr(SeqState, "get_generator", broken)
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=1.0, seed=3, n=3, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert [(c.index, c.finish_reason) for c in out.outputs] == [(0, "length"), (1, "length"), (2, "error")]
+    assert "boom" in out.outputs[2].error and out.finished
+    engine.step()  # the runner hears that every sequence finished
+    assert engine.runner.states == {} and engine.kv_manager.num_used_blocks == 0
+    engine.close()
+
+
+def test_models_with_inference_tensor_weights_work_with_prefix_caching():
+    import transformers
+
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
+        model = transformers.LlamaForCausalLM(config).eval()
+    outs = []
+    for caching in (True, False):
+        with PagedGenerator(model, num_blocks=64, enable_prefix_caching=caching) as engine:
+            outs.append(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0].token_ids)
+    assert outs[0] == outs[1]

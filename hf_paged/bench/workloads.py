@@ -235,4 +235,10 @@ def _as_list(x) -> list[int]:
     return [x] if isinstance(x, int) else list(x)
 
 
-WORKLOADS = {"chat": chat, "mixed": mixed, "latency": latency, "prefix": prefix}
+def _spec(**kw):
+    from hf_paged.bench.spec import spec
+
+    return spec(**kw)
+
+
+WORKLOADS = {"chat": chat, "mixed": mixed, "latency": latency, "prefix": prefix, "spec": _spec}

@@ -179,7 +179,7 @@ class KVCacheManager:
         table = self.tables.get(seq_id, [])
         held = len(table) + len(cached_blocks)
         grow = max(0, self.blocks_for_tokens(num_computed + num_new + num_lookahead) - held)
-        cow = len(self._writes_into_shared(table, num_computed, num_new))
+        cow = len(self._writes_into_shared(table, num_computed, num_new + num_lookahead))
         revived = sum(1 for b in cached_blocks if b.ref_cnt == 0)
         return grow + cow + revived
 
@@ -218,7 +218,8 @@ class KVCacheManager:
             self.pool.touch(cached_blocks)
             table.extend(cached_blocks)
             self.hashes[seq_id] = list(cached_hashes)
-        self._make_private(table, self._writes_into_shared(table, num_computed, num_new), num_computed)
+        # lookahead slots are written too (a draft model's KV), so they must be private as well
+        self._make_private(table, self._writes_into_shared(table, num_computed, num_new + num_lookahead), num_computed)
         grow = max(0, self.blocks_for_tokens(num_computed + num_new + num_lookahead) - len(table))
         new_blocks = self.pool.get_new_blocks(grow)
         table.extend(new_blocks)
@@ -270,6 +271,11 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(dropped))
         if seq_id in self.hashes:
             del self.hashes[seq_id][num_tokens // self.block_size :]
+        last = table[-1] if table and num_tokens % self.block_size else None
+        if last is not None and last.block_hash is not None and last.ref_cnt == 1:
+            # cut back to a partial block this sequence will write again: it no longer holds its hash's tokens
+            # (a shared one keeps its hash: the next write copies it first)
+            self.pool.uncache(last)
 
     def free(self, seq_id: SeqId) -> None:
         """Release every block of the sequence (device or host); the tail goes first, so a prefix it shares

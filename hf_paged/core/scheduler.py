@@ -49,12 +49,6 @@ class WaitingQueue:
         else:
             bisect.insort(self._sorted, (request.sort_key(), request), key=lambda e: e[0])
 
-    def peek(self) -> Request:
-        return self._fcfs[0] if self.policy == "fcfs" else self._sorted[0][1]
-
-    def pop(self) -> Request:
-        return self._fcfs.popleft() if self.policy == "fcfs" else self._sorted.pop(0)[1]
-
     def remove(self, request: Request) -> None:
         if self.policy == "fcfs":
             self._fcfs.remove(request)
@@ -75,6 +69,11 @@ class Scheduler:
         scheduling_policy: "fcfs" or "priority".
         preemption_mode: "recompute", "swap" (falls back to recompute when the host pool is full) or "auto"
             (swap the members of a group, i.e. n > 1 samples and beams, recompute single sequences).
+
+    Speculative decoding is per request (``Request.spec_key`` and friends): a decoding sequence with drafts
+    (from the runner's previous output) runs ``1 + len(drafts)`` tokens, drafts cut to the budget and dropped
+    before anyone is preempted for them, and only while fewer sequences than its ``spec_disable_batch_size``
+    are queued; ``spec_lookahead`` slots behind it are set aside for a draft model's KV.
     """
 
     def __init__(
@@ -109,9 +108,14 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._known: set[int] = set()  # sequences the runner has state for
         self._finished_since_schedule: list[int] = []
+        self._queued = 0  # sequences queued at the start of this step (speculation's batch limit)
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_prompt_tokens = 0  # of requests admitted (first admission only)
         self.num_generated_tokens = 0
+        self.spec_num_drafts = 0  # verifications
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_position: list[int] = []  # drafts accepted at position i
 
     # -- intake -------------------------------------------------------------------------------------
     def next_seq_id(self) -> int:
@@ -179,10 +183,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_seq_ids=self._finished_since_schedule)
         self._finished_since_schedule = []
+        self._queued = len(self.running) + len(self.waiting) + len(self.swapped)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_seq_ids:  # a step that had to preempt has no room to bring anyone in
             budget = self._schedule_swapped(out, budget)
-            if not self.swapped:
+            if not any(not r.parked for r in self.swapped):
+                budget = self._schedule_waiting(out, budget)
+        if not out.scheduled and (self.waiting or self.swapped) and self._preempt_idle(out):
+            # Beams that produced their row hold blocks while a sibling cannot get in: make room.
+            budget = self._schedule_swapped(out, budget)
+            if not any(not r.parked for r in self.swapped):
                 budget = self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         out.block_copies = self.kv.take_copies()
@@ -197,20 +207,35 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(num_new, budget)
-            while self.kv.allocate_slots(request.seq_id, request.num_computed_tokens, num_new) is None:
+            # drafts only on a plain decode, cut to the budget (never during prefill chunks)
+            drafts = []
+            if num_new == 1 and request.spec_token_ids and self._speculates(request):
+                # cut to the budget, and never past max_tokens or max_model_len
+                room = min(budget - 1, request.sampling_params.max_tokens - request.num_output_tokens - 1,
+                           self.max_model_len - request.num_tokens)
+                drafts = request.spec_token_ids[: max(0, room)]
+            lookahead = self._lookahead(out, request, num_new)
+            while self.kv.allocate_slots(
+                request.seq_id, request.num_computed_tokens, num_new + len(drafts), num_lookahead=lookahead
+            ) is None:
+                if drafts or lookahead:  # the pool is short: no speculation rather than preempting anyone
+                    drafts, lookahead = [], 0
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                self._schedule(out, request, num_new)
-                budget -= num_new
+                self._schedule(out, request, num_new, drafts)
+                budget -= num_new + len(drafts)
                 i += 1
         return budget
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(out.scheduled) < self.max_num_seqs:
-            request = self.swapped[0]
+        while budget > 0 and len(out.scheduled) < self.max_num_seqs:
+            request = next((r for r in self.swapped if not r.parked), None)
+            if request is None:
+                break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             extra = self.kv.blocks_for_tokens(request.num_computed_tokens + num_new) - len(
                 self.kv.host_tables[request.seq_id]
@@ -218,7 +243,8 @@ class Scheduler:
             if not self.kv.can_swap_in(request.seq_id, max(0, extra)):
                 break
             out.swap_in.extend(self.kv.swap_in(request.seq_id))
-            self.swapped.pop(0)
+            out.swapped_in_seq_ids.append(request.seq_id)
+            self.swapped.remove(request)
             request.status = RequestStatus.RUNNING
             self._insert_running(request)
             if num_new > 0:
@@ -227,18 +253,36 @@ class Scheduler:
                 budget -= num_new
         return budget
 
+    def _preempt_idle(self, out: SchedulerOutput) -> bool:
+        """Preempt every running sequence with nothing to compute (a beam waiting for its siblings' rows);
+        True if there was one. Its row is kept by the beam search; it comes back when it has a new token."""
+        idle = [r for r in self.running if r.num_computed_tokens == r.num_tokens]
+        for request in reversed(idle):
+            self._preempt(request, out)
+            request.parked = True  # nothing to run until its search appends a token
+        return bool(idle)
+
+    def _num_active(self) -> int:
+        """Running sequences with tokens to compute (idle beams wait for their search and take no slot)."""
+        return sum(1 for r in self.running if r.num_computed_tokens < r.num_tokens)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(out.scheduled) < self.max_num_seqs:
-            request = self.waiting.peek()
+        active = self._num_active()
+        while budget > 0 and active < self.max_num_seqs and len(out.scheduled) < self.max_num_seqs:
+            request = next((r for r in self.waiting if not r.parked), None)
+            if request is None:
+                break
             cached, hashes = self.kv.find_cached_prefix(request.all_token_ids())
             num_computed = len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed
             if num_new > budget and not self.enable_chunked_prefill and not request.output_token_ids:
                 break  # a prompt runs whole when chunking is off (a recompute may span steps)
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request.seq_id, num_computed, num_new, cached, hashes) is None:
+            if self.kv.allocate_slots(
+                request.seq_id, num_computed, num_new, cached, hashes, self._lookahead(out, request, num_new, num_computed)
+            ) is None:
                 break
-            self.waiting.pop()
+            self.waiting.remove(request)
             if request.num_preemptions == 0:
                 self.num_prompt_tokens += request.num_prompt_tokens
                 request.num_cached_tokens = num_computed
@@ -248,9 +292,10 @@ class Scheduler:
             self._insert_running(request)
             self._schedule(out, request, num_new)
             budget -= num_new
+            active += 1
         return budget
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int] = ()) -> None:
         start = request.num_computed_tokens
         sample = start + num_new == request.num_tokens
         if request.seq_id not in self._known:
@@ -258,13 +303,15 @@ class Scheduler:
             out.new_sequences.append(NewSequenceData(
                 request.seq_id, request.prompt_token_ids, list(request.output_token_ids), request.sampling_params,
                 request.stop_token_ids, request.index, request.is_beam, request.scores is not None,
+                request.spec_key, request.spec_k,
             ))
         forks = []
         if sample and not request.forked:
             forks = [self.next_seq_id() for _ in range(request.sampling_params.n - 1)]
         out.scheduled.append(ScheduledSequence(
-            request.seq_id, start, request.token_ids(start, start + num_new), self.kv.get_block_ids(request.seq_id),
-            sample, fork_seq_ids=forks,
+            request.seq_id, start, request.token_ids(start, start + num_new) + list(drafts),
+            self.kv.get_block_ids(request.seq_id), sample, len(drafts), fork_seq_ids=forks,
+            propose=sample and self._speculates(request),
         ))
 
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
@@ -278,16 +325,28 @@ class Scheduler:
             request = self.requests.get(item.seq_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = item.seq_len
-            self.kv.cache_blocks(request.seq_id, request, request.num_computed_tokens)
+            tokens = result.sampled_token_ids.get(item.seq_id)
+            if item.num_draft_tokens:
+                # verified: the last token and the accepted drafts hold KV; rejected drafts roll back
+                accepted = len(tokens) - 1 if tokens else 0
+                request.num_computed_tokens = item.start + 1 + accepted
+                # blocks past the next token's slot hold rejected drafts only: back to the pool
+                self.kv.truncate(request.seq_id, request.num_computed_tokens + 1)
+                self._count_acceptance(item.num_draft_tokens, accepted)
+            else:
+                request.num_computed_tokens = item.seq_len
+            request.spec_token_ids = []
             if item.fork_seq_ids and not request.forked:
                 request.forked = True
                 for index, child_id in enumerate(item.fork_seq_ids, start=1):
-                    if child_id not in result.sampled_token_ids:
-                        continue
                     child = self.fork_sequence(request, index, child_id)
                     self._known.add(child_id)  # the runner made its state when it sampled for it
-                    self.append_tokens(child, result.sampled_token_ids[child_id], result, now)
+                    child_tokens = result.sampled_token_ids.get(child_id)
+                    if child_tokens:
+                        self.append_tokens(child, child_tokens, result, now)
+                    else:
+                        child.error = result.errors.get(child_id, "no token was sampled for this sample")
+                        self.finish_request(child_id, RequestStatus.FINISHED_ERROR)
                     changed.append(child)
             error = result.errors.get(item.seq_id)
             if error is not None:
@@ -295,11 +354,34 @@ class Scheduler:
                 self.finish_request(request.seq_id, RequestStatus.FINISHED_ERROR)
                 changed.append(request)
                 continue
-            tokens = result.sampled_token_ids.get(item.seq_id)
             if tokens:
                 self.append_tokens(request, tokens, result, now)
                 changed.append(request)
+            if request.status is RequestStatus.RUNNING:
+                # only verified tokens are hashed: num_computed counts none of the rejected drafts
+                self.kv.cache_blocks(request.seq_id, request, request.num_computed_tokens)
+                request.spec_token_ids = result.spec_token_ids.get(item.seq_id, [])
         return changed
+
+    def _speculates(self, request: Request) -> bool:
+        limit = request.spec_disable_batch_size
+        return request.spec_key is not None and (limit is None or self._queued < limit)
+
+    def _lookahead(self, out: SchedulerOutput, request: Request, num_new: int, num_computed: int | None = None) -> int:
+        """Slots behind a sequence that reaches its sampling point, for a draft model's KV while it proposes."""
+        start = request.num_computed_tokens if num_computed is None else num_computed
+        if not request.spec_lookahead or start + num_new < request.num_tokens or not self._speculates(request):
+            return 0
+        return request.spec_lookahead
+
+    def _count_acceptance(self, num_drafts: int, accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += accepted
+        while len(self.spec_accepted_per_position) < num_drafts:
+            self.spec_accepted_per_position.append(0)
+        for i in range(accepted):
+            self.spec_accepted_per_position[i] += 1
 
     # -- sequences of a group (n > 1, beams) ------------------------------------------------------------
     def fork_sequence(self, parent: Request, index: int, seq_id: int | None = None) -> Request:
@@ -321,6 +403,7 @@ class Scheduler:
     ) -> None:
         """Append tokens one by one, stopping (and finishing the sequence) at the first that ends it."""
         logprobs = result.logprobs.get(request.seq_id) if result is not None else None
+        request.parked = False  # a new token to compute
         for k, token in enumerate(tokens):
             if logprobs is not None and k < len(logprobs):
                 request.cumulative_logprob += logprobs[k].token_logprob
@@ -329,6 +412,8 @@ class Scheduler:
             status = request.append_output_token(token, now)
             self.num_generated_tokens += 1
             if status is not None:
+                # a stop inside an accepted burst drops the drafts after it: their KV is not the sequence's
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
                 self._remove_from_queue(request)
                 self._finish(request, status, now)
                 break
@@ -371,6 +456,8 @@ class Scheduler:
             self.waiting.remove(request)
 
     def _finish(self, request: Request, status: RequestStatus, now: float | None = None) -> None:
+        if request.seq_id in self.kv.tables:  # its last full blocks stay reusable as a cached prefix
+            self.kv.cache_blocks(request.seq_id, request, request.num_computed_tokens)
         self.kv.free(request.seq_id)
         request.status = status
         request.finish_time = time.time() if now is None else now

@@ -23,6 +23,8 @@ class NewSequenceData:
     seed_offset: int = 0  # sample i of an n > 1 request draws from seed + i
     is_beam: bool = False
     want_scores: bool = False  # HF output_scores: return the processed logits row of every sampled token
+    spec_key: str | None = None  # which proposer drafts for it (speculative decoding), if any
+    spec_k: int = 0  # its most drafts per step
 
 
 @dataclass
@@ -36,6 +38,7 @@ class ScheduledSequence:
     sample: bool  # the step reaches the end of the known tokens, so a token is sampled
     num_draft_tokens: int = 0  # the last ones of ``token_ids`` are drafts to verify (speculative decoding)
     fork_seq_ids: list[int] = field(default_factory=list)  # n > 1: ids of the samples forked at this step
+    propose: bool = False  # draft tokens for its next step (speculative decoding; the batch is small enough)
 
     @property
     def num_new_tokens(self) -> int:
@@ -55,6 +58,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), done first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     preempted_seq_ids: list[int] = field(default_factory=list)
+    swapped_in_seq_ids: list[int] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # since the previous step: forget their state
 
     @property
@@ -86,3 +90,4 @@ class ModelRunnerOutput:
     num_draft_tokens: dict[int, int] = field(default_factory=dict)  # drafts verified, per sequence
     num_accepted_tokens: dict[int, int] = field(default_factory=dict)  # of those, accepted
     scores: dict[int, object] = field(default_factory=dict)  # HF output_scores: processed logits rows (torch)
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)  # drafts to verify next step

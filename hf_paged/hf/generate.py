@@ -30,6 +30,7 @@ SUPPORTED_FIELDS = {
     "compile_config", "disable_compile", "_from_model_config", "transformers_version", "_commit_hash",
     "_original_object_hash", "num_assistant_tokens", "num_assistant_tokens_schedule",
     "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "is_assistant",
+    "prompt_lookup_num_tokens", "max_matching_ngram_size",
 }
 SUPPORTED_MODEL_KWARGS = {"attention_mask", "tokenizer", "use_cache"}
 _warned: set[str] = set()
@@ -85,6 +86,8 @@ def paged_generate(
         reasons.append("num_return_sequences > 1 without sampling")  # stock raises the proper error
     if (gen_cfg.num_beams or 1) > 1 and streamer is not None:
         reasons.append("streamer with beam search")  # stock raises the proper error
+    if (gen_cfg.num_beams or 1) > 1 and (assistant_model is not None or gen_cfg.prompt_lookup_num_tokens):
+        reasons.append("assisted generation with beam search")  # stock raises the proper error
     if reasons:
         return _fallback(self, reasons, stock_args, gen_cfg)
 
@@ -100,7 +103,8 @@ def paged_generate(
         return beam_generate(self.paged, gen_cfg, _prompts(gen_cfg, model_kwargs, input_ids), input_ids, max_new,
                              _min_new(gen_cfg, width))
     engine = self.paged
-    rows = _add_rows(engine, gen_cfg, model_kwargs, input_ids, max_new)
+    speculative = _speculative_config(gen_cfg, assistant_model)
+    rows = _add_rows(engine, gen_cfg, model_kwargs, input_ids, max_new, speculative)
     lockstep = _LockstepStreamer(streamer, rows, _pad_id(gen_cfg)) if streamer else None
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -130,7 +134,7 @@ def _given(value) -> bool:
 
 
 _CALLABLE_ARGS = {
-    "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model",
+    "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
     "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate",
 }
 
@@ -230,7 +234,20 @@ class _Row:
         return bool(outs)
 
 
-def _add_rows(engine, gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: torch.Tensor, max_new: int) -> list[_Row]:
+def _speculative_config(gen_cfg: GenerationConfig, assistant_model) -> dict | None:
+    """HF's assisted-generation kwargs as the engine's per-request speculative decoding."""
+    if assistant_model is not None:
+        k = min(int(gen_cfg.num_assistant_tokens or 20), 8)  # the engine lowers k further on rejections
+        return {"method": "draft_model", "model": assistant_model, "num_speculative_tokens": k}
+    if gen_cfg.prompt_lookup_num_tokens:
+        return {"method": "ngram", "num_speculative_tokens": min(int(gen_cfg.prompt_lookup_num_tokens), 15),
+                "prompt_lookup_min": 1, "prompt_lookup_max": int(gen_cfg.max_matching_ngram_size or 2)}
+    return None
+
+
+def _add_rows(
+    engine, gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: torch.Tensor, max_new: int, speculative=None
+) -> list[_Row]:
     prompts = _prompts(gen_cfg, model_kwargs, input_ids)
     min_new = _min_new(gen_cfg, input_ids.shape[1])
     eos = _as_list(gen_cfg.eos_token_id)
@@ -261,7 +278,8 @@ def _add_rows(engine, gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: 
                 n=n_return,
             )
             rid = engine.add_request(
-                prompt, params, tokenizer=tokenizer, return_scores=bool(gen_cfg.output_scores), queue_outputs=True
+                prompt, params, tokenizer=tokenizer, return_scores=bool(gen_cfg.output_scores), queue_outputs=True,
+                speculative_config=speculative,
             )
             rows.append(_Row(rid, b, engine.scores_of(rid)))
     except BaseException:

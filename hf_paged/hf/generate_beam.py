@@ -50,6 +50,7 @@ def beam_generate(
     finally:
         if not search.done:
             engine.abort_beam_search(search)
+    search.raise_if_failed()
     generated, sequences_scores, beam_indices = search.outputs(n_return)
     prompt_part = input_ids.cpu().repeat_interleave(n_return, dim=0)
     sequences = torch.cat([prompt_part, generated.to(prompt_part.dtype)], dim=1).to(input_ids.device)
