@@ -94,6 +94,12 @@ class SeqState:
     def stop_tokens_allowed(self) -> bool:
         return len(self.output_token_ids) >= self.params.min_tokens
 
+    @property
+    def needs_processing(self) -> bool:
+        """Anything beyond an argmax of the raw logits (sampling, a penalty, a stop-token ban)."""
+        p = self.params
+        return not p.greedy or p.repetition_penalty != 1.0 or (not self.stop_tokens_allowed and bool(self.stop_token_ids))
+
     def get_generator(self, device: torch.device) -> torch.Generator | None:
         if self.params.seed is None:
             return None
@@ -155,9 +161,7 @@ class Sampler:
         drafts before a verified position). Raises :class:`NonFiniteLogits` for NaN or +inf rows.
         """
         vocab = logits.shape[-1]
-        bad = torch.isnan(logits).any(dim=-1) | (logits == float("inf")).any(dim=-1) | (logits == float("-inf")).all(dim=-1)
-        if bool(bad.any()):
-            raise NonFiniteLogits(sorted({states[i].seq_id for i in bad.nonzero().flatten().tolist()}))
+        _check_finite(logits.amax(dim=-1), states)
         bans = []
         for i, st in enumerate(states):
             produced = len(st.output_token_ids) + (len(extras[i]) if extras is not None else 0)
@@ -208,6 +212,11 @@ class Sampler:
 
         Rows of states that want HF's ``output_scores`` leave their processed logits in ``scores``.
         """
+        if not any(s.needs_processing for s in states):  # plain greedy: one pass gives the check and the tokens
+            values, tokens = logits.max(dim=-1)
+            _check_finite(values, states)
+            _capture_scores(logits.float(), states, range(len(states)), scores)
+            return tokens.tolist()
         processed, random_rows = self.process(logits, states)
         _capture_scores(processed, states, range(len(states)), scores)
         tokens = processed.argmax(dim=-1)
@@ -217,6 +226,13 @@ class Sampler:
             noise = self.exponential_noise([states[i] for i in random_rows], processed.shape[-1], logits.device)
             tokens.index_copy_(0, rows, (probs / noise).argmax(dim=-1))
         return tokens.tolist()
+
+
+def _check_finite(row_max: torch.Tensor, states: Sequence[SeqState]) -> None:
+    """Rows whose maximum is NaN (max propagates NaN), +inf, or -inf (every token masked) are garbage."""
+    bad = ~torch.isfinite(row_max)
+    if bool(bad.any()):
+        raise NonFiniteLogits(sorted({states[i].seq_id for i in bad.nonzero().flatten().tolist()}))
 
 
 def _capture_scores(
