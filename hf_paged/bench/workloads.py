@@ -1,4 +1,4 @@
-"""The standard workloads (docs/benchmarks.md): ``chat``, ``mixed``, ``latency`` and ``prefix``."""
+"""The standard workloads (docs/benchmarks.md): ``chat``, ``mixed``, ``latency``, ``prefix`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from hf_paged.bench.baselines import hf_generate_batch, hf_padded_generate
 from hf_paged.bench.common import (
     SystemResult, best_of, compute_params, load_chat_messages, matmul_flops, print_report,
 )
+from hf_paged.bench.serve import serve
 from hf_paged.models import load_default, parse_dtype
 
 ENGINE = "hf_paged"
@@ -241,4 +242,4 @@ def _spec(**kw):
     return spec(**kw)
 
 
-WORKLOADS = {"chat": chat, "mixed": mixed, "latency": latency, "prefix": prefix, "spec": _spec}
+WORKLOADS = {"chat": chat, "mixed": mixed, "latency": latency, "prefix": prefix, "spec": _spec, "serve": serve}

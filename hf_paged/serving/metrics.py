@@ -1,0 +1,154 @@
+"""Prometheus metrics of an :class:`~hf_paged.serving.AsyncPagedEngine`, named after vLLM's (``hf_paged:`` prefix).
+
+Engine counters and gauges are read from one ``engine.stats()`` snapshot per scrape (taken on the loop
+thread); latency histograms are fed by the loop after each step. Needs ``pip install hf-paged[serve]``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hf_paged.outputs import EngineStats
+from hf_paged.serving.engine_loop import AsyncPagedEngine, StepInfo
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "hf_paged:"
+
+# name (without prefix), kind, help; the engine-state metrics come from EngineStats at scrape time
+ENGINE_METRICS = [
+    ("num_requests_running", "gauge", "Sequences in the running batch."),
+    ("num_requests_waiting", "gauge", "Requests waiting to be scheduled (the bounded queue)."),
+    ("num_requests_swapped", "gauge", "Sequences swapped out to host memory."),
+    ("kv_cache_usage_perc", "gauge", "KV-cache usage: fraction of the pool's blocks in use (1 = 100 percent)."),
+    ("kv_cache_blocks", "gauge", "Blocks in the KV-cache pool."),
+    ("prompt_tokens", "counter", "Prompt tokens admitted (prefilled or served by the prefix cache)."),
+    ("generation_tokens", "counter", "Tokens generated."),
+    ("num_preemptions", "counter", "Preemptions (recompute and swap)."),
+    ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache."),
+    ("spec_decode_num_drafts", "counter", "Speculative-decoding drafts (0 until speculative decoding runs)."),
+    ("spec_decode_num_draft_tokens", "counter", "Speculative draft tokens proposed."),
+    ("spec_decode_num_accepted_tokens", "counter", "Speculative draft tokens accepted."),
+    ("iteration_steps", "counter", "Engine steps run."),
+]
+
+LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
+
+
+def _require():
+    try:
+        import prometheus_client
+    except ImportError as e:  # optional dependency
+        raise ImportError("metrics need prometheus-client: pip install hf-paged[serve]") from e
+    return prometheus_client
+
+
+def engine_values(stats: EngineStats, num_waiting: int) -> dict[str, float]:
+    """The engine-state metrics' values from one stats snapshot."""
+    return {
+        "num_requests_running": stats.num_running,
+        "num_requests_waiting": num_waiting,
+        "num_requests_swapped": stats.num_swapped,
+        "kv_cache_usage_perc": stats.kv_usage,
+        "kv_cache_blocks": stats.num_kv_blocks,
+        "prompt_tokens": stats.num_prompt_tokens,
+        "generation_tokens": stats.num_generated_tokens,
+        "num_preemptions": sum(stats.num_preemptions.values()),
+        "prefix_cache_queries": stats.prefix_cache_queries,
+        "prefix_cache_hits": stats.prefix_cache_hits,
+        "spec_decode_num_drafts": stats.spec_num_drafts,
+        "spec_decode_num_draft_tokens": stats.spec_num_draft_tokens,
+        "spec_decode_num_accepted_tokens": stats.spec_num_accepted_tokens,
+        "iteration_steps": stats.num_steps,
+    }
+
+
+class ServingMetrics:
+    """The Prometheus registry of one served engine.
+
+    Args:
+        engine: The loop to observe (histograms are fed after each of its steps).
+        model_name: The ``model_name`` label on every metric (as vLLM labels them).
+    """
+
+    def __init__(self, engine: AsyncPagedEngine, model_name: str) -> None:
+        prom = _require()
+        self.engine = engine
+        self.model_name = model_name
+        self.registry = prom.CollectorRegistry()
+        self._stats: EngineStats | None = None
+        self._num_waiting = 0
+        labels = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: list[float]):
+            return prom.Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token (arrival to first token).",
+                         LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens of a request.", LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency (arrival to finish).",
+                        LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time a request waited before it was first scheduled.",
+                          LATENCY_BUCKETS)
+        self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
+        self.gen_len = hist("request_generation_tokens", "Generated tokens per finished request (all samples).",
+                            TOKEN_BUCKETS)
+        self.success = prom.Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                    ["model_name", "finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort", "error"):
+            self.success.labels(model_name, reason)
+        self.registry.register(_EngineCollector(self))
+        engine.add_observer(self.observe)
+
+    def observe(self, info: StepInfo) -> None:
+        """Feed the histograms from one step (runs on the loop thread)."""
+        for seconds in info.queue_times:
+            self.queue.observe(seconds)
+        for seconds in info.token_intervals:
+            self.itl.observe(seconds)
+        for stream in info.finished:
+            out = stream.last
+            if out is None:
+                continue
+            if out.first_token_time is not None:
+                self.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))
+            self.e2e.observe(max(0.0, (out.finish_time or info.end) - out.arrival_time))
+            self.prompt_len.observe(len(out.prompt_token_ids))
+            self.gen_len.observe(sum(len(c.token_ids) for c in out.outputs))
+            reason = out.outputs[0].finish_reason or "abort"
+            self.success.labels(self.model_name, reason).inc()
+
+    async def render(self) -> bytes:
+        """The text exposition of every metric, with a fresh engine snapshot."""
+        try:
+            self._stats = await self.engine.astats()
+        except Exception:  # noqa: BLE001 - a closed engine: report the last snapshot
+            logger.debug("no engine stats for this scrape", exc_info=True)
+        self._num_waiting = self.engine.num_waiting
+        return _require().generate_latest(self.registry)
+
+    @property
+    def content_type(self) -> str:
+        return _require().CONTENT_TYPE_LATEST
+
+
+class _EngineCollector:
+    def __init__(self, metrics: ServingMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.metrics._stats
+        values = engine_values(stats, self.metrics._num_waiting) if stats is not None else {}
+        for name, kind, doc in ENGINE_METRICS:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.metrics.model_name], values.get(name, 0))
+            yield family
+
+    def describe(self):
+        return []

@@ -1,0 +1,377 @@
+"""The OpenAI API's request fields and response shapes, checked and built without any web framework.
+
+Every bad field raises :class:`APIError` (HTTP 400, OpenAI's error JSON naming the field) before anything
+reaches the engine. Extensions accepted as vLLM accepts them: ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``priority``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from hf_paged.sampling_params import MAX_SEED, SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.type = type
+        self.code = code
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ServedModel:
+    """What the request parser needs to know about the model being served."""
+
+    name: str
+    tokenizer: Any
+    max_model_len: int
+    max_num_seqs: int
+    aliases: tuple[str, ...] = ()
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def accepts(self, name: str) -> bool:
+        return name == self.name or name in self.aliases
+
+
+@dataclass
+class ParsedRequest:
+    """A checked request: token-id prompts and one SamplingParams for all of them."""
+
+    kind: str  # "chat" or "completion"
+    model: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # alternatives per token when log-probabilities were asked for
+    priority: int = 0
+
+
+# -- field checks --------------------------------------------------------------------------------------
+def _get(body: dict, name: str, default=None):
+    value = body.get(name, default)
+    return default if value is None else value
+
+
+def _int(body: dict, name: str, default: int | None, low: int | None = None, high: int | None = None) -> int | None:
+    value = _get(body, name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise APIError(f"{name} must be an integer, got {value!r}", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bound = f">= {low}" if high is None else (f"<= {high}" if low is None else f"between {low} and {high}")
+        raise APIError(f"{name} must be {bound}, got {value}", param=name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float | None = None, high: float | None = None,
+            low_open: bool = False) -> float:
+    value = _get(body, name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise APIError(f"{name} must be a finite number, got {value!r}", param=name)
+    too_low = low is not None and (value <= low if low_open else value < low)
+    if too_low or (high is not None and value > high):
+        left = "(" if low_open else "["
+        raise APIError(f"{name} must be in {left}{low}, {high}], got {value}", param=name)
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = _get(body, name, default)
+    if not isinstance(value, bool):
+        raise APIError(f"{name} must be a boolean, got {value!r}", param=name)
+    return value
+
+
+def _unsupported(body: dict, name: str, allowed=(None,), why: str = "") -> None:
+    if name in body and body[name] not in allowed:
+        raise APIError(f"{name} is not supported by this server{why}", param=name, code="unsupported_parameter")
+
+
+def _stop(body: dict) -> list[str] | None:
+    value = body.get("stop")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise APIError(f"stop must be a non-empty string or a list of non-empty strings, got {value!r}", param="stop")
+    return value or None
+
+
+def _stop_token_ids(body: dict) -> list[int] | None:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return None
+    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
+        raise APIError(f"stop_token_ids must be a list of token ids, got {value!r}", param="stop_token_ids")
+    return value
+
+
+def _common(body: dict, served: ServedModel) -> tuple[str, dict, bool, bool, int]:
+    """Fields shared by both endpoints: the model, sampling settings, streaming options, priority."""
+    model = body.get("model")
+    if model is None:
+        model = served.name
+    if not isinstance(model, str):
+        raise APIError(f"model must be a string, got {model!r}", param="model")
+    if not served.accepts(model):
+        raise APIError(f"The model {model!r} does not exist; this server serves {served.name!r}", param="model",
+                       code="model_not_found")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
+            raise APIError(f"{name} is not supported by this engine (only 0); use repetition_penalty "
+                           "(> 0, 1 disables)", param=name, code="unsupported_parameter")
+    logit_bias = body.get("logit_bias")
+    if logit_bias:
+        raise APIError("logit_bias is not supported by this server", param="logit_bias", code="unsupported_parameter")
+    n = _int(body, "n", 1, 1)
+    if n > served.max_num_seqs:
+        raise APIError(f"n must be <= {served.max_num_seqs} (the server's max_num_seqs), got {n}", param="n")
+    top_k = _int(body, "top_k", 0, -1)
+    kw = dict(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=0 if top_k == -1 else top_k,  # vLLM's "disabled"
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, None, low_open=True),
+        seed=_int(body, "seed", None, 0, MAX_SEED - n + 1),
+        n=n,
+        stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        min_tokens=_int(body, "min_tokens", 0, 0),
+    )
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        if not isinstance(options, dict):
+            raise APIError(f"stream_options must be an object, got {options!r}", param="stream_options")
+        include_usage = _bool(options, "include_usage", False)
+    priority = _int(body, "priority", 0)
+    return model, kw, stream, include_usage, priority
+
+
+def _max_tokens(name: str, value: int | None, prompts: list[list[int]], served: ServedModel, default: int | None,
+                prompt_field: str) -> int:
+    longest = max(len(p) for p in prompts)
+    room = served.max_model_len - longest
+    if room < 1:
+        raise APIError(f"the prompt has {longest} tokens, which leaves no room to generate within the model's "
+                       f"context length of {served.max_model_len} tokens", param=prompt_field, code="context_length_exceeded")
+    if value is None:
+        return min(room, default) if default is not None else room
+    if value > room:
+        raise APIError(f"{name}={value} is too large: the prompt has {longest} tokens and the model's context length "
+                       f"is {served.max_model_len}, so at most {room} new tokens fit", param=name,
+                       code="context_length_exceeded")
+    return value
+
+
+def _params(kw: dict, max_tokens: int, logprobs: int | None, param_of_error: str) -> SamplingParams:
+    if kw["min_tokens"] > max_tokens:
+        raise APIError(f"min_tokens must be <= max_tokens ({max_tokens}), got {kw['min_tokens']}", param="min_tokens")
+    try:
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
+    except (ValueError, TypeError) as e:  # a combination the engine refuses: name the field it names
+        message = str(e)
+        param = next((k for k in (*kw, "max_tokens", "logprobs") if message.startswith(k)), param_of_error)
+        raise APIError(message, param=param) from e
+
+
+# -- /v1/completions ----------------------------------------------------------------------------------------
+def parse_completion(body: Any, served: ServedModel) -> ParsedRequest:
+    """Check a ``/v1/completions`` body; prompts may be a string, a list of strings, token ids or lists of them."""
+    body = _object(body)
+    model, kw, stream, include_usage, priority = _common(body, served)
+    _unsupported(body, "echo", (None, False))
+    _unsupported(body, "suffix", (None, ""))
+    best_of = _int(body, "best_of", None, 1)
+    if best_of is not None and best_of != kw["n"]:
+        raise APIError("best_of other than n is not supported by this server", param="best_of",
+                       code="unsupported_parameter")
+    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    prompts = _completion_prompts(body.get("prompt"), served)
+    max_tokens = _max_tokens("max_tokens", _int(body, "max_tokens", None, 1), prompts, served, default=16,
+                             prompt_field="prompt")
+    params = _params(kw, max_tokens, logprobs, "prompt")
+    return ParsedRequest("completion", model, prompts, params, stream, include_usage, logprobs, priority)
+
+
+def _completion_prompts(prompt: Any, served: ServedModel) -> list[list[int]]:
+    if prompt is None:
+        raise APIError("prompt is required", param="prompt")
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        items = prompt
+    else:
+        raise APIError(f"prompt must be a non-empty string, a list of strings, a list of token ids or a list of "
+                       f"such lists, got {prompt!r}", param="prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise APIError("prompt must not be empty", param="prompt")
+            if served.tokenizer is None:
+                raise APIError("this server has no tokenizer: give the prompt as token ids", param="prompt")
+            out.append(list(served.tokenizer(item)["input_ids"]))
+        elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            out.append(list(item))
+        else:
+            raise APIError(f"prompt entries must be non-empty strings or lists of token ids, got {item!r}",
+                           param="prompt")
+    return out
+
+
+# -- /v1/chat/completions -----------------------------------------------------------------------------------
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
+    """Check a ``/v1/chat/completions`` body and apply the model's chat template."""
+    body = _object(body)
+    model, kw, stream, include_usage, priority = _common(body, served)
+    for name in ("tools", "functions", "audio"):
+        _unsupported(body, name, (None, []))
+    _unsupported(body, "tool_choice", (None, "none", "auto"))
+    _unsupported(body, "modalities", (None, ["text"]))
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise APIError("response_format other than {'type': 'text'} is not supported by this server",
+                       param="response_format", code="unsupported_parameter")
+    want_logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    messages = chat_messages(body.get("messages"))
+    prompt = apply_chat_template(served.tokenizer, messages)
+    value = _int(body, "max_completion_tokens", None, 1)
+    name = "max_completion_tokens"
+    if value is None:
+        value, name = _int(body, "max_tokens", None, 1), "max_tokens"
+    max_tokens = _max_tokens(name, value, [prompt], served, default=None, prompt_field="messages")
+    params = _params(kw, max_tokens, logprobs, "messages")
+    return ParsedRequest("chat", model, [prompt], params, stream, include_usage, logprobs, priority)
+
+
+def chat_messages(messages: Any) -> list[dict]:
+    """Check chat messages; content parts of type "text" are joined into one string."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError("messages must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise APIError(f"{where} must be an object with 'role' and 'content', got {message!r}", param=where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise APIError(f"{where}.role must be one of {list(ROLES)}, got {role!r}", param=f"{where}.role")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(f"{where}.content: only text parts are supported, got {part!r}",
+                                   param=f"{where}.content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise APIError(f"{where}.content must be a string or a list of text parts, got {content!r}",
+                           param=f"{where}.content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError("this model has no chat template: use /v1/completions", param="messages")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as e:  # noqa: BLE001 - a template that rejects these messages (e.g. the order of roles)
+        raise APIError(f"the chat template rejected these messages: {e}", param="messages") from e
+    return list(ids)
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}", param="body")
+    return body
+
+
+# -- responses ----------------------------------------------------------------------------------------------
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def _ranked(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]] | None, k: int) -> dict | None:
+    """``choices[].logprobs`` of a chat completion (``{"content": [{token, logprob, bytes, top_logprobs}]}``)."""
+    if logprobs is None:
+        return None
+    content = []
+    for token, entry in zip(token_ids, logprobs):
+        text = token_text(tokenizer, token)
+        content.append({
+            "token": text, "logprob": entry[token], "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (t := token_text(tokenizer, tid)), "logprob": lp, "bytes": list(t.encode())}
+                             for tid, lp in _ranked(entry, k)],
+        })
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]] | None, k: int,
+                        offset: int = 0) -> dict | None:
+    """``choices[].logprobs`` of a completion (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)."""
+    if logprobs is None:
+        return None
+    tokens, values, tops, offsets = [], [], [], []
+    for token, entry in zip(token_ids, logprobs):
+        text = token_text(tokenizer, token)
+        tokens.append(text)
+        values.append(entry[token])
+        tops.append({token_text(tokenizer, tid): lp for tid, lp in _ranked(entry, k)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

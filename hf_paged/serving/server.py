@@ -1,0 +1,367 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an :class:`~hf_paged.serving.AsyncPagedEngine`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream`` as server-sent events),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). Errors use OpenAI's JSON shape. A client
+that disconnects has its requests aborted, which frees their KV blocks. Needs ``pip install hf-paged[serve]``.
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the route signatures' annotations as objects.
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from hf_paged.outputs import RequestOutput
+from hf_paged.serving.engine_loop import AsyncPagedEngine, EngineClosedError, QueueFullError
+from hf_paged.serving.protocol import (
+    APIError, ParsedRequest, ServedModel, chat_logprobs, completion_logprobs, new_id, parse_chat, parse_completion,
+    usage,
+)
+from hf_paged.serving.stream import RequestStream
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+
+
+def _require():
+    try:
+        import fastapi
+        import starlette  # noqa: F401
+    except ImportError as e:  # optional dependency
+        raise ImportError("the server needs fastapi and uvicorn: pip install hf-paged[serve]") from e
+    return fastapi
+
+
+def build_app(
+    engine: AsyncPagedEngine, served: ServedModel, *, api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_metrics: bool = True,
+):
+    """The FastAPI app serving ``engine`` under the OpenAI API.
+
+    Args:
+        engine: The running engine loop (the app does not shut it down).
+        served: The model's name (what ``model`` must be), tokenizer and limits.
+        api_key: When set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>`` (401 otherwise).
+        max_body_bytes: Larger request bodies are refused with a 400.
+        enable_metrics: Serve Prometheus metrics at ``/metrics``.
+    """
+    fastapi = _require()
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+
+    from hf_paged.serving.metrics import ServingMetrics
+
+    app = fastapi.FastAPI(title="hf_paged OpenAI-compatible server", docs_url=None, redoc_url=None)
+    metrics = ServingMetrics(engine, served.name) if enable_metrics else None
+    app.state.engine = engine
+    app.state.served = served
+    app.state.metrics = metrics
+
+    def error_response(err: APIError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+        return JSONResponse(err.to_dict(), status_code=err.status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, err: APIError):
+        return error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, err):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(str(err.detail), err.status_code, type=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request, err: Exception):
+        logger.exception("request failed")
+        return error_response(APIError(f"internal error: {type(err).__name__}: {err}", 500, type="server_error"))
+
+    def check_key(request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise APIError("Incorrect API key provided", 401, type="authentication_error", code="invalid_api_key")
+
+    async def read_json(request) -> object:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            raise APIError(f"the request body has {length} bytes, more than the limit of {max_body_bytes}",
+                           param="body")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise APIError(f"the request body is larger than the limit of {max_body_bytes} bytes", param="body")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(f"the request body is not valid JSON: {e}", param="body") from e
+
+    def submit(parsed: ParsedRequest, rid: str) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(parsed.prompts):
+                streams.append(engine.add_request(prompt, parsed.params, f"{rid}-{i}", parsed.priority))
+        except QueueFullError as e:
+            _abort_all(streams)
+            raise APIError(str(e), 503, type="server_overloaded", code="queue_full") from e
+        except EngineClosedError as e:
+            _abort_all(streams)
+            raise APIError(str(e), 503, type="server_error", code="engine_closed") from e
+        except (ValueError, TypeError) as e:
+            _abort_all(streams)
+            field = "messages" if parsed.kind == "chat" else "prompt"
+            raise APIError(str(e), 400, param=field) from e
+        return streams
+
+    async def handle(request, kind: str):
+        check_key(request)
+        body = await read_json(request)
+        parsed = (parse_chat if kind == "chat" else parse_completion)(body, served)
+        rid = new_id(kind)
+        streams = submit(parsed, rid)
+        created = int(time.time())
+        if parsed.stream:
+            return _SSEResponse(sse_events(parsed, rid, created, streams), streams)
+        try:
+            results = await _until_disconnected(request, asyncio.gather(*(s.aresult() for s in streams)))
+        finally:
+            _abort_all(streams)
+        if results is None:  # the client went away: its requests were aborted
+            return Response(status_code=499)
+        return JSONResponse(full_response(parsed, rid, created, results))
+
+    def full_response(parsed: ParsedRequest, rid: str, created: int, results: list[RequestOutput]) -> dict:
+        choices, completion_tokens = [], 0
+        for i, out in enumerate(results):
+            for c in out.outputs:
+                if c.finish_reason == "error":
+                    raise APIError(c.error or "generation failed", 500, type="server_error")
+                completion_tokens += len(c.token_ids)
+                index = i * parsed.params.n + c.index
+                if parsed.kind == "chat":
+                    choices.append({
+                        "index": index, "message": {"role": "assistant", "content": c.text or ""},
+                        "logprobs": chat_logprobs(served.tokenizer, c.token_ids, c.logprobs, parsed.logprobs or 0),
+                        "finish_reason": c.finish_reason,
+                    })
+                else:
+                    choices.append({
+                        "index": index, "text": c.text or "",
+                        "logprobs": completion_logprobs(served.tokenizer, c.token_ids, c.logprobs,
+                                                        parsed.logprobs or 0),
+                        "finish_reason": c.finish_reason,
+                    })
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in results)
+        cached = sum(o.num_cached_tokens for o in results)
+        return {
+            "id": rid, "object": "chat.completion" if parsed.kind == "chat" else "text_completion",
+            "created": created, "model": parsed.model, "system_fingerprint": None, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached),
+        }
+
+    async def sse_events(parsed: ParsedRequest, rid: str, created: int, streams: list[RequestStream]) -> AsyncIterator[bytes]:
+        chat = parsed.kind == "chat"
+        n = parsed.params.n
+        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": parsed.model}
+        if chat:
+            base["system_fingerprint"] = None
+        extra = {"usage": None} if parsed.include_usage else {}
+
+        def event(choices: list[dict]) -> bytes:
+            return b"data: " + json.dumps({**base, "choices": choices, **extra}).encode() + b"\n\n"
+
+        if chat:  # the role comes first, as OpenAI sends it
+            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(len(streams) * n)])
+        queue: asyncio.Queue = asyncio.Queue()
+        offsets = [0] * (len(streams) * n)
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for delta in stream:
+                    await queue.put((i, delta))
+            except BaseException as e:  # noqa: BLE001 - reported to the reader
+                await queue.put((i, e))
+                raise
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            prompt_tokens = completion_tokens = cached = 0
+            while remaining:
+                i, delta = await queue.get()
+                if isinstance(delta, BaseException):
+                    raise delta
+                choices = []
+                for c in delta.outputs:
+                    index = i * n + c.index
+                    if c.finish_reason == "error":
+                        err = APIError(c.error or "generation failed", 500, type="server_error")
+                        yield b"data: " + json.dumps(err.to_dict()).encode() + b"\n\n"
+                        yield b"data: [DONE]\n\n"
+                        return
+                    if not c.token_ids and not c.text and c.finish_reason is None:
+                        continue
+                    completion_tokens += len(c.token_ids)
+                    if chat:
+                        choices.append({
+                            "index": index, "delta": {"content": c.text or ""} if c.text or c.token_ids else {},
+                            "logprobs": chat_logprobs(served.tokenizer, c.token_ids, c.logprobs, parsed.logprobs or 0),
+                            "finish_reason": c.finish_reason,
+                        })
+                    else:
+                        choices.append({
+                            "index": index, "text": c.text or "",
+                            "logprobs": completion_logprobs(served.tokenizer, c.token_ids, c.logprobs,
+                                                            parsed.logprobs or 0, offsets[index]),
+                            "finish_reason": c.finish_reason,
+                        })
+                        offsets[index] += len(c.text or "")
+                if choices:
+                    yield event(choices)
+                if delta.finished:
+                    remaining -= 1
+                    prompt_tokens += len(delta.prompt_token_ids)
+                    cached += delta.num_cached_tokens
+            if parsed.include_usage:
+                final = {**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)}
+                yield b"data: " + json.dumps(final).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
+            _abort_all(streams)
+
+    class _SSEResponse(StreamingResponse):
+        """Server-sent events that abort their requests however the response ends (disconnect included)."""
+
+        def __init__(self, content, streams: list[RequestStream]) -> None:
+            super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            self._streams = streams
+
+        async def __call__(self, scope, receive, send) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                _abort_all(self._streams)
+
+    @app.post("/v1/completions")
+    async def completions(request: fastapi.Request):
+        return await handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: fastapi.Request):
+        return await handle(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: fastapi.Request):
+        check_key(request)
+        return {"object": "list", "data": [{
+            "id": served.name, "object": "model", "created": served.created, "owned_by": "hf_paged",
+            "root": served.name, "max_model_len": served.max_model_len,
+        }]}
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        if metrics is None:
+            raise APIError("metrics are disabled on this server", 404, type="not_found_error")
+        return Response(await metrics.render(), media_type=metrics.content_type)
+
+    return app
+
+
+def _abort_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        if not stream.finished:
+            stream.abort()
+
+
+async def _until_disconnected(request, awaitable):
+    """Await ``awaitable`` unless the client disconnects first (then cancel it and return None)."""
+    work = asyncio.ensure_future(awaitable)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    return None
+
+
+def _uvicorn():
+    try:
+        import uvicorn
+    except ImportError as e:
+        raise ImportError("the server needs uvicorn: pip install hf-paged[serve]") from e
+    return uvicorn
+
+
+def run_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve ``app`` with uvicorn until interrupted."""
+    _uvicorn().run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+
+
+class BackgroundServer:
+    """Serve an app with uvicorn from a background thread (tests, benchmarks); ``port=0`` picks a free port.
+
+    Example:
+        >>> with BackgroundServer(app) as server:
+        ...     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        import socket
+        import threading
+
+        uvicorn = _uvicorn()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.url = f"http://{self.host}:{self.port}"
+        config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30, backlog=4096)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="hf-paged-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+        self.thread.start()
+        deadline = time.time() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.time() > deadline:
+                raise RuntimeError(f"the server on {self.url} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
