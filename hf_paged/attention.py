@@ -49,6 +49,7 @@ class AttentionMetadata:
     backend: str = "torch"
     has_padding: bool = False
     torch_plan: kernels.TorchAttentionPlan | None = None
+    static: bool = False  # a padded static-shape step (decode_runner.py): one graph-safe op per layer
 
 
 @dataclass
@@ -130,11 +131,20 @@ def paged_attention_forward(
         # leave every score unchanged; zero columns in v only add output columns, cut off below.
         size = k_cache.shape[-1]
         q, k, v = (torch.nn.functional.pad(x, (0, size - x.shape[-1])) for x in (q, k, v))
+    scaling = kwargs.get("scaling")
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if meta.static:
+        from hf_paged.kernels import graph_ops  # noqa: F401 - registers the op
+
+        out = torch.ops.hf_paged.static_paged_attention(
+            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+            meta.max_seqlen_q, meta.max_seqlen_k, scale, kwargs.get("sliding_window"), kwargs.get("softcap"),
+        )
+        return (out[..., :value_dim] if out.shape[-1] != value_dim else out).unsqueeze(0), None
     if meta.backend in ("torch", "cpu"):
         kernels.store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping, has_padding=meta.has_padding)
     else:
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
-    scaling = kwargs.get("scaling")
     out = kernels.paged_attention(
         q,
         k_cache,
@@ -144,7 +154,7 @@ def paged_attention_forward(
         meta.cu_seqlens_q,
         meta.max_seqlen_q,
         meta.max_seqlen_k,
-        scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        scale=scale,
         sliding_window=kwargs.get("sliding_window"),
         softcap=kwargs.get("softcap"),
         backend=meta.backend,

@@ -177,6 +177,8 @@ def _engine_loop(args, max_num_seqs: int):
     config = {"max_num_seqs": max_num_seqs}
     if getattr(args, "max_model_len", None):
         config["max_model_len"] = args.max_model_len
+    if getattr(args, "speculative_config", None):
+        config["speculative_config"] = args.speculative_config
     engine = PagedGenerator(model, tokenizer, **config)
     return AsyncPagedEngine(engine, max_waiting_requests=args.max_waiting_requests), tokenizer
 
@@ -222,6 +224,23 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def _speculative_config(text: str) -> dict:
+    """``--speculative-config``: a JSON object checked (keys and values) before the model loads."""
+    import json
+
+    from hf_paged.spec_decode.config import SpeculativeConfig
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from e
+    try:
+        SpeculativeConfig.from_value(value)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return value
+
+
 def _check_port(port: int) -> None:
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {port}")
@@ -259,6 +278,9 @@ def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -
     p.add_argument("--max-num-seqs", type=_positive_int, default=max_num_seqs, help="most sequences in one batch")
     p.add_argument("--max-waiting-requests", type=_positive_int, default=1024,
                    help="most requests waiting to be scheduled; more are refused (HTTP 503)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding as JSON, vLLM\'s keys, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\'')
 
 
 class _Parser(argparse.ArgumentParser):

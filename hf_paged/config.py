@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
+from hf_paged.decode_runner import MODES as DECODE_MODES
+from hf_paged.decode_runner import check_buckets, default_buckets
 from hf_paged.kernels import BACKENDS
 from hf_paged.spec_decode.config import SpeculativeConfig
 
@@ -46,6 +48,13 @@ class EngineConfig:
             size in extra memory. None: per dtype, the fastest of plain ``F.linear`` and the packings that
             pass their probe on this CPU (timed once at start); True: the fastest packing (error if none
             works); False: off; "mkl", "onednn" or "upcast": that packing (error if it packs nothing here).
+        enforce_eager: Run every step eagerly on exact shapes: no decode buckets, CUDA graphs or compilation.
+        decode_runner: How decode steps (every sequence adds 1 token, or 1 + k when verifying drafts) run
+            when not ``enforce_eager``: "auto" (CUDA graphs on CUDA; on CPU the dynamic eager path, measured
+            fastest there), "cuda_graphs", "inductor" (``torch.compile`` per bucket, cached on disk; turns
+            weight packing off) or "static" (padded buckets run eagerly: the CPU twin of the graphs).
+        decode_buckets: Batch sizes decode steps are padded up to (positive, increasing, at most
+            ``max_num_seqs``). None: 1, 2, 4, 8, 16, 32, 48, ... up to ``max_num_seqs``.
     """
 
     block_size: int = 16
@@ -64,6 +73,9 @@ class EngineConfig:
     preemption_mode: str = "auto"
     swap_space: int = 0
     speculative_config: Any = None
+    enforce_eager: bool = False
+    decode_runner: str = "auto"
+    decode_buckets: Any = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
@@ -86,6 +98,19 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         _require_int("swap_space", self.swap_space, 0)
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if not isinstance(self.enforce_eager, bool):
+            raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.decode_runner not in DECODE_MODES:
+            raise ValueError(f"decode_runner must be one of {DECODE_MODES}, got {self.decode_runner!r}")
+        self.decode_buckets = (
+            default_buckets(self.max_num_seqs) if self.decode_buckets is None
+            else check_buckets(self.decode_buckets, self.max_num_seqs)
+        )
+        if self.decode_runner == "inductor" and self.prepack_weights not in (None, False):
+            raise ValueError(
+                f"decode_runner='inductor' compiles plain nn.Linear modules; prepack_weights={self.prepack_weights!r} conflicts "
+                "with it (leave it None)"
+            )
         pw = self.prepack_weights
         if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in ("mkl", "onednn", "upcast"))):
             raise ValueError(

@@ -59,6 +59,8 @@ def build_pool(model: torch.nn.Module, cfg: EngineConfig, device: torch.device) 
 def maybe_prepack(model: torch.nn.Module, cfg: EngineConfig, device: torch.device) -> PackedLinears | None:
     """The model's packed linears (shared with other engines on the same model), or None."""
     want = cfg.prepack_weights
+    if want is None and cfg.decode_runner == "inductor" and not cfg.enforce_eager:
+        return None  # our packed linears are opaque to inductor and break its graph
     if want is False or device.type != "cpu":
         if want not in (None, False):
             raise ValueError(f"prepack_weights={want!r} is for CPU models; this one is on {device}")
@@ -82,6 +84,19 @@ def maybe_prepack(model: torch.nn.Module, cfg: EngineConfig, device: torch.devic
         )
         raise RuntimeError(f"prepack_weights={want!r}: no nn.Linear weight of this model can be packed here ({why})")
     return packed
+
+
+def make_decode_runner(model: torch.nn.Module, cfg: EngineConfig, pool: KVPool, backend: str, max_model_len: int):
+    """The bucketed static decode runner this configuration asks for on this device, or None."""
+    from hf_paged.decode_runner import DecodeGraphRunner, resolve_mode
+
+    mode = resolve_mode(cfg.decode_runner, cfg.enforce_eager, pool.device)
+    if mode is None:
+        return None
+    spec = cfg.speculative_config
+    max_q = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    return DecodeGraphRunner(model, pool.kv_caches, pool.block_size, mode, cfg.decode_buckets, max_q, max_model_len,
+                             backend)
 
 
 def make_proposer(spec, runner, max_model_len: int):

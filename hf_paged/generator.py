@@ -17,7 +17,8 @@ from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
 from hf_paged.core.scheduler_output import SchedulerOutput
 from hf_paged.engine_setup import (
-    as_prompt_list, build_pool, eos_token_ids, make_proposer, maybe_prepack, per_prompt, release_model, token_ids,
+    as_prompt_list, build_pool, eos_token_ids, make_decode_runner, make_proposer, maybe_prepack, per_prompt,
+    release_model, token_ids,
 )
 from hf_paged.spec_decode.config import SpeculativeConfig
 from hf_paged.spec_decode.speculator import Speculator, spec_key
@@ -61,6 +62,7 @@ class PagedGenerator:
             self.pool, self.max_model_len = build_pool(model, cfg, self.device)
             self.backend = resolve_backend(cfg.attention_backend, self.device, self.pool.specs[0].dtype)
             self.packed = maybe_prepack(model, cfg, self.device)
+            decode = make_decode_runner(model, cfg, self.pool, self.backend, self.max_model_len)
         except BaseException:
             model_patches.release_attention(model)
             raise
@@ -68,7 +70,8 @@ class PagedGenerator:
             self.pool.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.pool.num_host_blocks
         )
         self.sampler = Sampler(self.device, cfg.seed)
-        self.runner = ModelRunner(model, self.pool, self.backend, self.sampler, self.max_model_len)
+        self.runner = ModelRunner(model, self.pool, self.backend, self.sampler, self.max_model_len,
+                                  decode=decode)
         self.runner.speculator = Speculator()
         try:
             if cfg.speculative_config is not None:
@@ -256,13 +259,15 @@ class PagedGenerator:
     def _drop_stale_prefix_cache(self) -> None:
         """Cached KV was computed with the weights of its time: forget it when a weight changed (a training
         step, ``load_state_dict``), or a prefix hit would serve the old model's KV."""
-        if not self.kv_manager.enable_prefix_caching:
+        if not self.kv_manager.enable_prefix_caching and self.runner.decode is None:
             return
         version = self._weights_version()
         if version != self._weights_seen:
             if self._weights_seen is not None:
-                logger.info("model weights changed: dropping the prefix cache")
+                logger.info("model weights changed: dropping the prefix cache and decode graphs")
                 self.kv_manager.reset_prefix_cache()
+                if self.runner.decode is not None:
+                    self.runner.decode.weights_changed()
             self._weights_seen = version
 
     def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:

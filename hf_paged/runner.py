@@ -69,7 +69,7 @@ class ModelRunner:
 
     def __init__(
         self, model: torch.nn.Module, pool: KVPool, backend: str, sampler: Sampler, max_model_len: int,
-        speculator: Speculator | None = None,
+        speculator: Speculator | None = None, decode=None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -77,6 +77,7 @@ class ModelRunner:
         self.sampler = sampler
         self.max_model_len = max_model_len
         self.speculator = speculator
+        self.decode = decode  # a DecodeGraphRunner (decode_runner.py) for bucketed static decode steps, or None
         self.device = pool.device
         self.block_size = pool.block_size
         self.states: dict[int, SeqState] = {}
@@ -152,6 +153,11 @@ class ModelRunner:
         self.pool.copy_blocks(out.block_copies)
         if self.speculator is not None:
             self.speculator.move_blocks(out)
+        planned = self.decode.plan(out.scheduled) if self.decode is not None else None
+        if planned is not None:
+            logits = self.decode.run(out.scheduled, *planned)
+            if logits is not None:
+                return self.sample(logits, out.scheduled)
         inputs = self.prepare(out)
         if not inputs.sampled:
             # Only mid-prompt chunks: the KV still has to be written, but no logits are needed.

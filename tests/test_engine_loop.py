@@ -280,3 +280,42 @@ def test_panel_snapshot_marks_shared_and_cached_blocks(loop, prompts):
     snap = loop.call(take_snapshot).result(10)
     assert not any(snap.owners) and any(snap.cached)  # freed; full prompt blocks stay cached
     assert "hfp-cached" in render_panel(snap, 0.0, 0)
+
+
+def test_per_request_speculation_through_the_loop(loop, prompts):
+    """A request may turn speculation on (its own speculative_config) or off; greedy tokens never change."""
+    prompt = prompts[3] * 4  # repetitive: n-gram drafts get accepted
+    plain = loop.generate(prompt, GREEDY).outputs[0].token_ids
+    before = loop.stats()
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    assert loop.generate(prompt, GREEDY, speculative_config=spec).outputs[0].token_ids == plain
+    after = loop.stats()
+    assert after.spec_num_drafts > before.spec_num_drafts
+    off = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, num_speculative_tokens=0)
+    assert loop.generate(prompt, off, speculative_config=spec).outputs[0].token_ids == plain
+    assert loop.stats().spec_num_drafts == after.spec_num_drafts
+    with pytest.raises(TypeError, match="unknown speculative_config"):
+        loop.add_request(prompt, GREEDY, speculative_config={"method": "ngram", "k": 3})
+    assert used_blocks(loop) == 0
+
+
+def test_chat_demo_speculation_box(prompts):
+    """The demo's speculative box drafts (n-gram) for its answer or not; the greedy answer is the same."""
+    from hf_paged.ui.chat import ChatDemo
+    from tests.serving_helpers import default_tokenizer, tiny_chat_model
+
+    tok = default_tokenizer()
+    engine_loop = AsyncPagedEngine(PagedGenerator(tiny_chat_model(tok), tok, num_blocks=256, max_num_seqs=4))
+    try:
+        demo = ChatDemo(engine_loop)
+        assert not demo.engine_speculates
+        answers, proposers = [], []
+        for speculative in (False, True):
+            *_, (shown, _conv, _box) = demo.respond("abc abc abc abc abc abc", [], "", 0.0, 1.0, 16, "s1",
+                                                   speculative)
+            answers.append(shown[-1]["content"])
+            proposers.append(engine_loop.call(lambda e: list(e.runner.speculator.proposers)).result(10))
+        assert answers[0] == answers[1] and answers[0]
+        assert proposers == [[], ["ngram:1:4"]]  # the box made this answer speculate (n-gram)
+    finally:
+        engine_loop.shutdown()

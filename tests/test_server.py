@@ -362,6 +362,10 @@ def test_cli_checks_before_loading(capsys):
     assert main(["bench", "chat", "--clients", "4"]) == 2
     assert "serve workload only" in capsys.readouterr().err
     assert main(["bench", "serve", "--clients", "0"]) == 2
+    assert main(["serve", "--speculative-config", "{ngram"]) == 2
+    assert "not JSON" in capsys.readouterr().err
+    assert main(["chat", "--speculative-config", '{"method": "medusa"}']) == 2
+    assert "medusa" in capsys.readouterr().err
 
 
 def test_missing_extra_names_it(monkeypatch, tiny_server):

@@ -96,7 +96,7 @@ class AsyncPagedEngine:
     # -- callers ------------------------------------------------------------------------------------
     def add_request(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-        priority: int = 0,
+        priority: int = 0, speculative_config: dict | None = None,
     ) -> RequestStream:
         """Submit a request from any thread or task; returns its stream at once (the loop admits it).
 
@@ -105,6 +105,8 @@ class AsyncPagedEngine:
             sampling_params: How to sample (``SamplingParams()`` by default).
             request_id: Unique among live requests; a fresh one by default.
             priority: With ``scheduling_policy="priority"``, lower values run first.
+            speculative_config: Speculate for this request with these settings instead of the engine's
+                (``SamplingParams(num_speculative_tokens=0)`` turns speculation off for one request).
 
         Raises:
             ValueError, TypeError: Bad input (checked here, in the caller's thread), an id in use.
@@ -116,7 +118,9 @@ class AsyncPagedEngine:
             request_id = f"req-{next(self._ids)}"
         self._check_capacity()
         # Validation and tokenization run here, off the loop thread; they only read the engine's settings.
-        request, state = self.engine._make_request(prompt, sampling_params, request_id, priority)
+        request, state = self.engine._make_request(
+            prompt, sampling_params, request_id, priority, speculative=speculative_config
+        )
         params = request.sampling_params
         hold = max((len(s) - 1 for s in params.stop or ()), default=0)
         stream = RequestStream(request_id, state.prompt_token_ids, params.n, request.arrival_time, self.tokenizer,

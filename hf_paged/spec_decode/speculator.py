@@ -35,7 +35,7 @@ class Speculator:
         self.proposers: dict[str, object] = {}
 
     def add(self, key: str, proposer) -> None:
-        self.proposers[key] = proposer
+        self.proposers.setdefault(key, proposer)  # a caller thread may add while the loop steps
 
     def num_drafts(self, state, max_model_len: int) -> int:
         k = state.spec_k
@@ -73,18 +73,18 @@ class Speculator:
         return drafts
 
     def forget(self, finished: Sequence[int], preempted: Sequence[int]) -> None:
-        for proposer in self.proposers.values():
+        for proposer in list(self.proposers.values()):
             proposer.forget(finished, preempted)
 
     def move_blocks(self, out) -> None:
         """Proposers with KV of their own apply the step's copy-on-write copies to it too."""
-        for proposer in self.proposers.values():
+        for proposer in list(self.proposers.values()):
             move = getattr(proposer, "move_blocks", None)
             if move is not None:
                 move(out)
 
     def close(self) -> None:
-        for proposer in self.proposers.values():
+        for proposer in list(self.proposers.values()):
             close = getattr(proposer, "close", None)
             if close is not None:
                 close()

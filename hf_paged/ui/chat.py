@@ -20,6 +20,8 @@ from hf_paged.ui.panel import render_panel, take_snapshot
 logger = logging.getLogger(__name__)
 
 STOPPED = "[stopped]"
+# what the "speculative decoding" box turns on when the engine was started without a speculative_config
+DEFAULT_SPECULATION = {"method": "ngram", "num_speculative_tokens": 4}
 ERROR_PREFIX = "⚠ "
 
 
@@ -61,6 +63,7 @@ class ChatDemo:
         self.top_p = top_p
         self.max_tokens = max_tokens
         self.max_tokens_limit = max(1, min(4096, engine.max_model_len - 1))
+        self.engine_speculates = engine.engine.config.speculative_config is not None
         self.live: dict[str, str] = {}  # session -> request id of its answer being generated
         self.finished: list[tuple[str, str | None]] = []  # (request id, finish reason) of every answer
         self._turns = itertools.count(1)
@@ -69,8 +72,12 @@ class ChatDemo:
 
     # -- handlers -----------------------------------------------------------------------------------
     def respond(self, message: str, conversation: list[dict], system: str, temperature: float, top_p: float,
-                max_tokens: float, session: str) -> Iterator[tuple[list[dict], list[dict], str]]:
-        """Stream one answer: yields (chatbot messages, conversation state, message box)."""
+                max_tokens: float, session: str, speculative: bool | None = None,
+                ) -> Iterator[tuple[list[dict], list[dict], str]]:
+        """Stream one answer: yields (chatbot messages, conversation state, message box).
+
+        ``speculative``: draft tokens for this answer (the engine's speculative_config, else n-gram with 4
+        drafts), or not; None keeps the engine's setting. Greedy answers are the same either way."""
         if not message or not message.strip():
             yield conversation, conversation, ""
             return
@@ -79,9 +86,12 @@ class ChatDemo:
         yield shown, conversation, ""
         text, reason, error = "", None, None
         try:
-            params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p))
+            params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
+                                    num_speculative_tokens=0 if speculative is False else None)
+            spec = DEFAULT_SPECULATION if speculative and not self.engine_speculates else None
             prompt = build_prompt(self.engine.tokenizer, system, conversation)
-            stream = self.engine.add_request(prompt, params, request_id=f"chat-{session[:6]}-{next(self._turns)}")
+            stream = self.engine.add_request(prompt, params, request_id=f"chat-{session[:6]}-{next(self._turns)}",
+                                             speculative_config=spec)
         except (ValueError, TypeError, QueueFullError, EngineClosedError) as e:
             shown[-1] = {"role": "assistant", "content": f"{ERROR_PREFIX}{e}"}
             yield shown, conversation, ""
@@ -139,9 +149,10 @@ class ChatDemo:
         """The ``gr.Blocks`` page."""
         gr = _gradio()
 
-        def respond(message, conversation, system, temperature, top_p, max_tokens, request: gr.Request):
+        def respond(message, conversation, system, temperature, top_p, max_tokens, speculative,
+                    request: gr.Request):
             yield from self.respond(message, conversation, system, temperature, top_p, max_tokens,
-                                    _session(request))
+                                    _session(request), bool(speculative))
 
         def stop(request: gr.Request):
             self.stop(_session(request))
@@ -170,9 +181,12 @@ class ChatDemo:
                         top_p = gr.Slider(0.05, 1.0, self.top_p, step=0.05, label="Top-p", elem_id="hfp-top-p")
                         max_tokens = gr.Slider(1, self.max_tokens_limit, min(self.max_tokens, self.max_tokens_limit),
                                                step=1, label="Max tokens", elem_id="hfp-max-tokens")
+                    speculative = gr.Checkbox(self.engine_speculates, elem_id="hfp-speculative",
+                                              label="Speculative decoding (drafts verified by the model; "
+                                                    "same greedy answers, faster on repetitive text)")
                 with gr.Column(scale=2):
                     panel = gr.HTML(self.panel(), elem_id="hfp-panel", label="engine")
-            inputs = [message, conversation, system, temperature, top_p, max_tokens]
+            inputs = [message, conversation, system, temperature, top_p, max_tokens, speculative]
             outputs = [chatbot, conversation, message]
             for trigger in (message.submit, send.click):
                 trigger(respond, inputs, outputs, concurrency_limit=None, show_progress="hidden")

@@ -1,0 +1,305 @@
+"""Bucketed static-shape decode: persistent input buffers, padded batches, one replayable forward per bucket.
+
+A decode step (every scheduled sequence adds the same number ``q`` of query tokens: 1, or 1 + k when it
+verifies k drafts) is padded up to the smallest bucket of sequences that holds it. Inputs are copied into
+buffers allocated once, so every replay of a bucket sees the same tensors; the padding rows have
+``slot_mapping = -1`` (never written) and ``seq_lens = 0`` (nothing read). Per bucket, the forward is
+
+- ``"cuda_graphs"``: captured once into a CUDA graph (one memory pool shared by the buckets) and replayed;
+- ``"inductor"``: compiled by ``torch.compile`` (inductor; artifacts cached on disk under
+  ``$HF_PAGED_CACHE/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set);
+- ``"static"``: run eagerly on the padded buffers (the CPU-testable twin of the two above).
+
+Steps the buckets do not cover (prefill chunks, mixed steps, more sequences than the largest bucket, uneven
+query lengths) run on the dynamic eager path. The attention op of a static step is
+``torch.ops.hf_paged.static_paged_attention`` (:mod:`hf_paged.kernels.graph_ops`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from hf_paged.attention import METADATA_KWARG, AttentionMetadata, engine_forward
+from hf_paged.core.scheduler_output import ScheduledSequence
+from hf_paged.kernels import graph_ops
+
+logger = logging.getLogger(__name__)
+
+MODES = ("auto", "static", "cuda_graphs", "inductor")
+# transformers builds no mask when it is handed a 4-D one; the paged kernels mask by themselves. Without it
+# the mask builder reads a context variable, which torch.compile cannot trace (a graph break per forward).
+_NO_MASK = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
+
+
+def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every multiple of 16, up to and including ``max_num_seqs`` (vLLM's capture sizes)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return tuple(sorted(set(sizes + [max_num_seqs])))
+
+
+def check_buckets(buckets: object, max_num_seqs: int) -> tuple[int, ...]:
+    """``decode_buckets`` as a tuple: positive, strictly increasing ints, none above ``max_num_seqs``."""
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence):
+        raise TypeError(f"decode_buckets must be a list of ints, got {buckets!r}")
+    if not buckets:
+        raise ValueError("decode_buckets must not be empty (use enforce_eager=True to turn buckets off)")
+    for b in buckets:
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise TypeError(f"decode_buckets must hold ints, got {b!r} in {list(buckets)!r}")
+        if b < 1:
+            raise ValueError(f"decode_buckets must be >= 1, got {b} in {list(buckets)!r}")
+    if any(a >= b for a, b in zip(buckets, buckets[1:])):
+        raise ValueError(f"decode_buckets must be strictly increasing, got {list(buckets)!r}")
+    if buckets[-1] > max_num_seqs:
+        raise ValueError(f"decode bucket {buckets[-1]} is above max_num_seqs={max_num_seqs}")
+    return tuple(buckets)
+
+
+def resolve_mode(mode: str, enforce_eager: bool, device: torch.device) -> str | None:
+    """The decode runner mode to use, or None for the dynamic eager path only.
+
+    "auto" is CUDA graphs on CUDA. On CPU it is None: measured on an AVX2 host (docs/performance.md), the
+    padded static forward is no faster than the dynamic one with packed linears, and inductor matched it
+    within noise while costing about a minute of compilation per bucket; ask for "inductor" explicitly.
+    """
+    if enforce_eager:
+        return None
+    if mode == "auto":
+        return "cuda_graphs" if device.type == "cuda" else None
+    if mode == "cuda_graphs" and device.type != "cuda":
+        raise ValueError(f"decode_runner='cuda_graphs' needs a CUDA model, this one is on {device}")
+    return mode
+
+
+class DecodeGraphRunner:
+    """Static buffers, buckets and one replayable forward per (bucket, query length).
+
+    Args:
+        model: The HF model (attention "hf_paged").
+        kv_caches: The pool's per-layer ``(k_cache, v_cache)``.
+        block_size: Tokens per block.
+        mode: "static", "cuda_graphs" or "inductor".
+        buckets: Sequence counts to pad to (increasing).
+        max_query_len: Largest query length per sequence served (1 + the most drafts per step).
+        max_model_len: Longest sequence (block-table width; ``max_seqlen_k`` of the CUDA kernels).
+        backend: The attention backend name put in the metadata.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, kv_caches, block_size: int, mode: str, buckets: Sequence[int],
+        max_query_len: int, max_model_len: int, backend: str,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.mode = mode
+        self.buckets = tuple(buckets)
+        self.max_query_len = max_query_len
+        self.max_model_len = max_model_len
+        self.backend = backend
+        device = kv_caches[0][0].device
+        self.device = device
+        max_seqs = self.buckets[-1]
+        max_tokens = max_seqs * max_query_len
+        max_blocks = -(-max_model_len // block_size)
+        # persistent inputs: every replay reads these same tensors
+        self.input_ids = torch.zeros(1, max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, max_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
+        self.no_mask = _NO_MASK.to(device)
+        self.graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        self.num_replays = 0
+        self.num_builds = 0
+        self.build_seconds: dict[tuple[int, int], float] = {}
+        self._mempool = None
+        self._compiled = None
+        self.disabled_reason: str | None = None
+
+    # -- which steps -------------------------------------------------------------------------------
+    def bucket_for(self, num_seqs: int) -> int | None:
+        for b in self.buckets:
+            if b >= num_seqs:
+                return b
+        return None
+
+    def plan(self, scheduled: list[ScheduledSequence]) -> tuple[int, int] | None:
+        """(bucket, query length) when this step is a uniform decode step the buckets cover, else None."""
+        if self.disabled_reason is not None or not scheduled:
+            return None
+        q = scheduled[0].num_new_tokens
+        if q > self.max_query_len:
+            return None
+        for item in scheduled:
+            # a decode row: samples, adds q tokens, and all of them are the last token + its drafts
+            if not item.sample or item.num_new_tokens != q or item.num_draft_tokens != q - 1:
+                return None
+        bucket = self.bucket_for(len(scheduled))
+        return None if bucket is None else (bucket, q)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def fill(self, scheduled: list[ScheduledSequence], bucket: int, q: int) -> None:
+        """Copy the step into the persistent buffers; rows past the real ones become padding."""
+        from hf_paged.runner import pack_step
+
+        n = len(scheduled)
+        ids, positions, slots, tables, seq_lens, _cu, _rows = pack_step(scheduled, self.block_size)
+        tokens, padded = n * q, bucket * q
+        dev = self.device
+        self.input_ids[0, :tokens].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
+        self.positions[0, :tokens].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
+        self.slot_mapping[:tokens].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        self.input_ids[0, tokens:padded].zero_()
+        self.positions[0, tokens:padded].zero_()
+        self.slot_mapping[tokens:padded].fill_(-1)
+        width = max(len(t) for t in tables)
+        host = torch.zeros(bucket, self.block_tables.shape[1], dtype=torch.int32)
+        host[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        self.block_tables[:bucket].copy_(host.to(dev, non_blocking=True))
+        lens = torch.zeros(bucket, dtype=torch.int32)
+        lens[:n] = torch.tensor(seq_lens, dtype=torch.int32)
+        self.seq_lens[:bucket].copy_(lens.to(dev, non_blocking=True))
+        self.cu_seqlens_q[: bucket + 1].copy_(torch.arange(0, padded + 1, q, dtype=torch.int32).to(dev))
+        graph_ops.new_step()
+
+    def run(self, scheduled: list[ScheduledSequence], bucket: int, q: int) -> torch.Tensor | None:
+        """Logits ``[len(scheduled) * q, V]`` of every real query token (a sequence's rows are consecutive),
+        or None when this bucket cannot be built (the runner is then disabled, with one warning)."""
+        self.fill(scheduled, bucket, q)
+        key = (bucket, q)
+        fn = self.graphs.get(key)
+        if fn is None:
+            try:
+                fn = self.graphs[key] = self._build(bucket, q)
+            except Exception as e:  # noqa: BLE001 - never a crash: the dynamic eager path serves instead
+                self.disable(f"building decode bucket {bucket} x {q} ({self.mode}) failed: {type(e).__name__}: {e}")
+                return None
+        logits = fn()
+        self.num_replays += 1
+        return logits[: len(scheduled) * q]
+
+    def disable(self, reason: str) -> None:
+        """Stop using the buckets (every later step runs eagerly) and say why, once."""
+        if self.disabled_reason is None:
+            logger.warning("%s; decoding eagerly from now on", reason)
+        self.disabled_reason = reason
+        self.graphs.clear()
+
+    def weights_changed(self) -> None:
+        """A weight changed in place or was replaced: graphs are rebuilt (recaptured) on next use. Inductor
+        reads the live weights (they are not frozen), and its guards recompile for replaced ones."""
+        self.graphs.clear()
+
+    # -- building a bucket -------------------------------------------------------------------------
+    def _forward(self, bucket: int, q: int) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]:
+        """The padded forward of one bucket over views of the persistent buffers."""
+        padded = bucket * q
+        views = (
+            self.input_ids[:, :padded], self.positions[:, :padded], self.slot_mapping[:padded],
+            self.block_tables[:bucket], self.seq_lens[:bucket], self.cu_seqlens_q[: bucket + 1],
+        )
+        model, kv_caches, backend, max_len, no_mask = self.model, self.kv_caches, self.backend, self.max_model_len, self.no_mask
+
+        def forward(input_ids, positions, slot_mapping, block_tables, seq_lens, cu_seqlens_q) -> torch.Tensor:
+            meta = AttentionMetadata(
+                slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
+                max_seqlen_q=q, max_seqlen_k=max_len, kv_caches=kv_caches, backend=backend, has_padding=True,
+                static=True,
+            )
+            with engine_forward():
+                out = model(input_ids=input_ids, position_ids=positions, attention_mask=no_mask, use_cache=False,
+                            **{METADATA_KWARG: meta})
+            return out.logits[0]
+
+        return forward, views
+
+    def _build(self, bucket: int, q: int) -> Callable[[], torch.Tensor]:
+        start = time.perf_counter()
+        forward, views = self._forward(bucket, q)
+        if self.mode == "cuda_graphs":
+            fn = self._capture(forward, views)
+        elif self.mode == "inductor":
+            compiled = self._compiler()
+            compiled(*views)  # compile this bucket's shapes now
+            fn = lambda: compiled(*views)  # noqa: E731
+        else:
+            fn = lambda: forward(*views)  # noqa: E731
+        seconds = time.perf_counter() - start
+        self.num_builds += 1
+        self.build_seconds[(bucket, q)] = seconds
+        logger.info("decode bucket %d x %d (%s) ready in %.2f s", bucket, q, self.mode, seconds)
+        return fn
+
+    def _compiler(self):
+        if self._compiled is None:
+            configure_inductor(len(self.buckets) * self.max_query_len)
+            self._compiled = torch.compile(_dynamic_forward(self), dynamic=False)
+        return self._compiled
+
+    def _capture(self, forward, views) -> Callable[[], torch.Tensor]:
+        """Warm up on a side stream, capture one CUDA graph into the shared pool, replay it from then on."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward(*views)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        before = torch.cuda.memory_allocated(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            logits = forward(*views)
+        logger.info("captured a CUDA graph: %.1f MiB more allocated",
+                    (torch.cuda.memory_allocated(self.device) - before) / 2**20)
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return logits
+
+        return replay
+
+
+def _dynamic_forward(runner: DecodeGraphRunner):
+    """One function for every bucket (torch.compile specializes it per input shape)."""
+
+    def forward(input_ids, positions, slot_mapping, block_tables, seq_lens, cu_seqlens_q):
+        q = input_ids.shape[1] // block_tables.shape[0]
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=q, max_seqlen_k=runner.max_model_len, kv_caches=runner.kv_caches, backend=runner.backend,
+            has_padding=True, static=True,
+        )
+        with engine_forward():
+            out = runner.model(input_ids=input_ids, position_ids=positions, attention_mask=runner.no_mask,
+                               use_cache=False, **{METADATA_KWARG: meta})
+        return out.logits[0]
+
+    return forward
+
+
+def configure_inductor(num_shapes: int) -> None:
+    """Inductor settings for the decode graphs: one compile thread (worker pools oversubscribed our 2 cores
+    and slowed every later step), a recompile limit that fits every bucket, and the on-disk FX graph cache in
+    hf_paged's cache folder. Weights are not frozen: freezing (which prepacks GEMM weights) measured no faster
+    here, bypasses the on-disk cache, and would serve stale weights after a training step."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    from hf_paged.models import cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    inductor_config.freezing = False
+    inductor_config.compile_threads = 1
+    inductor_config.fx_graph_cache = True
+    limit = max(8, 2 * num_shapes)
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < limit:
+            setattr(dynamo_config, name, limit)
