@@ -358,5 +358,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> int:
+    """The ``hf-paged`` console script: tune the process once (hf_paged/launch.py), then run ``main``."""
+    from hf_paged import launch
+
+    argv = sys.argv[1:]
+    try:
+        launch.reexec_tuned(argv, bind=launch.binds_threads(argv))
+    except ValueError as e:  # a bad HF_PAGED_TUNE / HF_PAGED_ALLOCATOR value
+        sys.stderr.write(f"hf-paged: error: {e}\n")
+        return 2
+    applied = os.environ.get("HF_PAGED_TUNED_WITH")
+    if applied and ("-v" in argv or "--verbose" in argv):
+        sys.stderr.write(f"hf-paged: process tuned: {applied} (HF_PAGED_TUNE=0 turns this off)\n")
+    return main(argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

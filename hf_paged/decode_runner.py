@@ -205,20 +205,7 @@ class DecodeGraphRunner:
             self.input_ids[:, :padded], self.positions[:, :padded], self.slot_mapping[:padded],
             self.block_tables[:bucket], self.seq_lens[:bucket], self.cu_seqlens_q[: bucket + 1],
         )
-        model, kv_caches, backend, max_len, no_mask = self.model, self.kv_caches, self.backend, self.max_model_len, self.no_mask
-
-        def forward(input_ids, positions, slot_mapping, block_tables, seq_lens, cu_seqlens_q) -> torch.Tensor:
-            meta = AttentionMetadata(
-                slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
-                max_seqlen_q=q, max_seqlen_k=max_len, kv_caches=kv_caches, backend=backend, has_padding=True,
-                static=True,
-            )
-            with engine_forward():
-                out = model(input_ids=input_ids, position_ids=positions, attention_mask=no_mask, use_cache=False,
-                            **{METADATA_KWARG: meta})
-            return out.logits[0]
-
-        return forward, views
+        return _dynamic_forward(self), views
 
     def _build(self, bucket: int, q: int) -> Callable[[], torch.Tensor]:
         start = time.perf_counter()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+TUNING_VARS = ("HF_PAGED_TUNE", "OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+
 # The CPU flags that decide hf_paged's paths (x86 /proc/cpuinfo names; ARM "Features" names).
 X86_FEATURES = (
     "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
@@ -130,6 +132,7 @@ def collect() -> dict:
         "openmp": omp,
         "allocator": alloc,
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "tuning": {k: os.environ[k] for k in TUNING_VARS if os.environ.get(k)},
         "c_compiler": _compiler(),
         "gpus": _gpus(),
         "kernels": {name: kernel_choices(dtype) for name, dtype in DTYPES.items()},
@@ -151,6 +154,7 @@ def format_report(info: dict) -> str:
         f"vector features: has {' '.join(have) or '-'}; lacks {' '.join(lack) or '-'}",
         f"openmp runtime: {info['openmp']}",
         f"allocator: {info['allocator']}" + (f" (LD_PRELOAD={info['ld_preload']})" if info["ld_preload"] else ""),
+        "process tuning: " + (", ".join(f"{k}={v}" for k, v in info["tuning"].items()) or "none"),
         f"c compiler: {info['c_compiler']}",
         f"gpu: {', '.join(info['gpus']) or 'none'}",
     ]

@@ -72,7 +72,6 @@ class SeqState:
     spec_key: str | None = None  # the proposer drafting for this sequence (speculative decoding), if any
     spec_k: int = 0  # its most drafts per step
     spec_ema: float = 1.0  # moving average of the fraction of drafts accepted
-    spec_idle: int = 0
 
     def record_acceptance(self, proposed: int, accepted: int) -> None:
         if proposed:

@@ -289,7 +289,44 @@ def test_draft_model_with_another_vocabulary_or_a_shorter_context_is_rejected():
 
 def test_speculative_config_dataclass_and_per_request_lowering():
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=6)
-    assert cfg.prompt_lookup_min == 1 and cfg.prompt_lookup_max == 4 and cfg.disable_by_batch_size == 8
+    assert cfg.prompt_lookup_min == 1 and cfg.prompt_lookup_max == 4 and cfg.disable_by_batch_size is None
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be >= 0, got -1"):
         SamplingParams(num_speculative_tokens=-1)
     assert math.isclose(SamplingParams(num_speculative_tokens=2).num_speculative_tokens, 2)
+
+
+def test_drafting_adapts_to_acceptance_and_to_what_a_draft_token_costs():
+    from hf_paged.spec_decode.draft_model import matmul_params
+    from hf_paged.spec_decode.speculator import Speculator
+
+    spec = Speculator()
+
+    def state(ema):
+        return SeqState(0, [1, 2, 3], [], SamplingParams(max_tokens=100), frozenset(), spec_key="k", spec_k=4,
+                        spec_ema=ema)
+
+    assert spec.num_drafts(state(1.0), 1024) == 4
+    assert spec.num_drafts(state(0.3), 1024) == 3  # ceil(2 * 4 * 0.3)
+    # n-gram drafts are free: idle (one draft every 8th step) only below 0.1
+    def probes(ema, cost, steps):
+        drafts = []
+        for step in range(1, steps + 1):
+            spec.step = step
+            drafts.append(tuple(spec.num_drafts(state(ema), 1024, cost) for _ in range(3)))
+        return drafts
+
+    # idle sequences probe together (the speculator's step, not their own counters)
+    assert probes(0.05, 0.0, 16) == [(0, 0, 0)] * 7 + [(1, 1, 1)] + [(0, 0, 0)] * 7 + [(1, 1, 1)]
+    # a draft costing 0.5 of a target forward pays only above 0.5 acceptance; idle probes every 8 * 3 steps
+    assert spec.num_drafts(state(0.6), 1024, cost=0.5) == 4
+    assert probes(0.4, 0.5, 24) == [(0, 0, 0)] * 23 + [(1, 1, 1)]
+    # the cost of a self-speculative draft: its layers' and the head's weights over the whole model's
+    model = make_model("llama")
+    engine = PagedGenerator(model, num_blocks=64, speculative_config=dict(method="draft_model", model="self:1"))
+    proposer = next(iter(engine.runner.speculator.proposers.values()))
+    layers = model.model.layers
+    per_layer = matmul_params(layers[0])
+    head = model.lm_head.weight.numel()
+    assert math.isclose(proposer.relative_cost, (per_layer + head) / (len(layers) * per_layer + head))
+    assert 0 < proposer.relative_cost < 1
+    engine.close()

@@ -20,8 +20,8 @@ class SpeculativeConfig:
         prompt_lookup_max: Longest suffix n-gram it tries first (>= prompt_lookup_min).
         model: For "draft_model": a ``transformers`` causal LM with the target's vocabulary, a local folder
             to load one from, or ``"self:N"`` for the target's own first N layers (no second model).
-        disable_by_batch_size: Speculate only while fewer sequences than this are running; at larger batches
-            the extra tokens cost more forward time than they save (None: always speculate).
+        disable_by_batch_size: Speculate only while fewer sequences than this are queued (None, the default
+            as in vLLM: at any batch size; each sequence's drafting still adapts to its acceptance).
     """
 
     method: str = "ngram"
@@ -29,7 +29,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: Any = None
-    disable_by_batch_size: int | None = 8
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -49,6 +49,11 @@ def truncated_view(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
     return view
 
 
+def matmul_params(model: torch.nn.Module) -> int:
+    """Weights of the linear layers a token runs through (the output head included, tied or not)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
 def _shallow(module: torch.nn.Module) -> torch.nn.Module:
     copy = object.__new__(type(module))
     copy.__dict__ = dict(module.__dict__)
@@ -87,6 +92,9 @@ class DraftModelProposer:
             self.kv_caches = self.pool.kv_caches
             logger.info("draft model %s: KV pool of %.1f MiB", type(draft).__name__, self.pool.total_bytes / 2**20)
         self.computed: dict[int, int] = {}  # tokens of each sequence whose draft KV is valid
+        # forward cost of one drafted token over the target's: the matmul weights each one runs through
+        self.relative_cost = matmul_params(self.model) / max(1, matmul_params(target))
+        logger.info("draft model costs %.2f of a target forward per token", self.relative_cost)
 
     def close(self) -> None:
         if self.pool is not None:

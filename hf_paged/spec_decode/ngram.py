@@ -21,6 +21,8 @@ class _Index:
 
 
 class NgramProposer:
+    relative_cost = 0.0  # a dictionary lookup: drafting costs no forward time
+
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max

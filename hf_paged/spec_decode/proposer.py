@@ -14,6 +14,8 @@ class DraftRequest(Protocol):
 
 
 class Proposer(Protocol):
+    relative_cost: float  # forward cost per drafted token over the target's (0: free); drives the idle rule
+
     def propose(
         self, requests: list[DraftRequest], num_tokens: list[int], tables: dict[int, list[int]]
     ) -> list[list[int]]:

@@ -8,9 +8,15 @@ model, the target's first N layers), and each request names the one it uses by a
 Per request ``k`` is its configuration's ``num_speculative_tokens``, lowered (or 0: off) by
 ``SamplingParams.num_speculative_tokens``, and capped so a verification can never emit past ``max_tokens``
 or ``max_model_len``. It also adapts downward: each sequence keeps an exponential moving average of the
-fraction of its drafts accepted (weight 0.3 on the newest verification); it gets ``ceil(2 * k * ema)``
-drafts (at most k), and below an average of 0.1 it drafts only one token every 8th step, to notice when
-its text turns predictable again.
+fraction of its drafts accepted (weight 0.3 on the newest verification) and gets ``ceil(2 * k * ema)``
+drafts (at most k). Drafting pays only while that fraction beats what a draft token costs: a proposer's
+``relative_cost`` is its forward cost per drafted token over the target's (0 for n-gram lookup; about the
+draft's matmul parameters over the target's for a draft model), since k drafts gain ``ema * k`` tokens for
+``relative_cost * k`` target steps of drafting. Below ``max(0.1, relative_cost)`` a sequence is idle: it
+drafts one token every ``8 * (1 + round(4 * relative_cost))`` steps only, to notice when its text turns
+predictable again. Idle sequences probe on the same steps (a step counter of the speculator, not one per
+sequence): a draft model's forward costs about the same for one sequence as for a few, so scattered probes
+would put a draft forward into most steps of a large batch.
 """
 
 from __future__ import annotations
@@ -33,19 +39,20 @@ def spec_key(config: SpeculativeConfig) -> str:
 class Speculator:
     def __init__(self) -> None:
         self.proposers: dict[str, object] = {}
+        self.step = 0  # proposing steps so far: idle sequences probe together on multiples of their period
 
     def add(self, key: str, proposer) -> None:
         self.proposers.setdefault(key, proposer)  # a caller thread may add while the loop steps
 
-    def num_drafts(self, state, max_model_len: int) -> int:
+    def num_drafts(self, state, max_model_len: int, cost: float = 0.0) -> int:
+        """Drafts for ``state`` this step; ``cost`` is its proposer's ``relative_cost``."""
         k = state.spec_k
         wanted = state.params.num_speculative_tokens
         if wanted is not None:
             k = min(k, wanted)
         if k > 0 and state.spec_ema < 1.0:
-            if state.spec_ema < 0.1:
-                state.spec_idle += 1
-                k = 1 if state.spec_idle % 8 == 0 else 0
+            if state.spec_ema < max(0.1, cost):
+                k = 1 if self.step % (8 * (1 + round(4 * cost))) == 0 else 0
             else:
                 k = min(k, max(1, math.ceil(2 * k * state.spec_ema)))
         n_out = len(state.output_token_ids)
@@ -58,12 +65,13 @@ class Speculator:
         A sequence that forked its samples this step shares its blocks with them: it drafts from the next
         step on (a draft model would write its lookahead KV into the shared blocks).
         """
+        self.step += 1
         tables = {item.seq_id: item.block_ids for item in scheduled if not item.fork_seq_ids}
         by_key: dict[str, list] = {}
         for state in states:
             if state.spec_key is None or state.seq_id not in tables:
                 continue
-            k = self.num_drafts(state, max_model_len)
+            k = self.num_drafts(state, max_model_len, getattr(self.proposers[state.spec_key], "relative_cost", 0.0))
             if k > 0:
                 by_key.setdefault(state.spec_key, []).append((state, k))
         drafts: dict[int, list[int]] = {}
