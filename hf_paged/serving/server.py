@@ -136,6 +136,20 @@ def build_app(
             return Response(status_code=499)
         return JSONResponse(full_response(parsed, rid, created, results))
 
+    def choice(parsed: ParsedRequest, c, index: int, stream: bool, offset: int = 0) -> dict:
+        """One choice of a response (``stream``: a chunk's delta), OpenAI's fields in OpenAI's order."""
+        k = parsed.logprobs or 0
+        if parsed.kind == "chat":
+            if stream:
+                body = {"delta": {"content": c.text or ""} if c.text or c.token_ids else {}}
+            else:
+                body = {"message": {"role": "assistant", "content": c.text or ""}}
+            logprobs = chat_logprobs(served.tokenizer, c.token_ids, c.logprobs, k)
+        else:
+            body = {"text": c.text or ""}
+            logprobs = completion_logprobs(served.tokenizer, c.token_ids, c.logprobs, k, offset)
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
     def full_response(parsed: ParsedRequest, rid: str, created: int, results: list[RequestOutput]) -> dict:
         choices, completion_tokens = [], 0
         for i, out in enumerate(results):
@@ -144,19 +158,7 @@ def build_app(
                     raise APIError(c.error or "generation failed", 500, type="server_error")
                 completion_tokens += len(c.token_ids)
                 index = i * parsed.params.n + c.index
-                if parsed.kind == "chat":
-                    choices.append({
-                        "index": index, "message": {"role": "assistant", "content": c.text or ""},
-                        "logprobs": chat_logprobs(served.tokenizer, c.token_ids, c.logprobs, parsed.logprobs or 0),
-                        "finish_reason": c.finish_reason,
-                    })
-                else:
-                    choices.append({
-                        "index": index, "text": c.text or "",
-                        "logprobs": completion_logprobs(served.tokenizer, c.token_ids, c.logprobs,
-                                                        parsed.logprobs or 0),
-                        "finish_reason": c.finish_reason,
-                    })
+                choices.append(choice(parsed, c, index, stream=False))
         prompt_tokens = sum(len(o.prompt_token_ids) for o in results)
         cached = sum(o.num_cached_tokens for o in results)
         return {
@@ -210,20 +212,8 @@ def build_app(
                     if not c.token_ids and not c.text and c.finish_reason is None:
                         continue
                     completion_tokens += len(c.token_ids)
-                    if chat:
-                        choices.append({
-                            "index": index, "delta": {"content": c.text or ""} if c.text or c.token_ids else {},
-                            "logprobs": chat_logprobs(served.tokenizer, c.token_ids, c.logprobs, parsed.logprobs or 0),
-                            "finish_reason": c.finish_reason,
-                        })
-                    else:
-                        choices.append({
-                            "index": index, "text": c.text or "",
-                            "logprobs": completion_logprobs(served.tokenizer, c.token_ids, c.logprobs,
-                                                            parsed.logprobs or 0, offsets[index]),
-                            "finish_reason": c.finish_reason,
-                        })
-                        offsets[index] += len(c.text or "")
+                    choices.append(choice(parsed, c, index, stream=True, offset=offsets[index]))
+                    offsets[index] += len(c.text or "")  # completions' text_offset
                 if choices:
                     yield event(choices)
                 if delta.finished:
