@@ -50,6 +50,7 @@ class AttentionMetadata:
     has_padding: bool = False
     torch_plan: kernels.TorchAttentionPlan | None = None
     static: bool = False  # a padded static-shape step (decode_runner.py): one graph-safe op per layer
+    fused: bool = False  # decoder layers with a fused CPU forward (hf/fused_layers.py) may take it
 
 
 @dataclass
@@ -121,48 +122,49 @@ def paged_attention_forward(
     layer_idx = getattr(module, "layer_idx", None)
     if layer_idx is None:
         raise NotImplementedError(f"{type(module).__name__} has no layer_idx; hf_paged needs it to find its KV pool")
+    scaling = kwargs.get("scaling")
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = attend(meta, layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scale,
+                 kwargs.get("sliding_window"), kwargs.get("softcap"))
+    return out.unsqueeze(0), None
+
+
+def attend(
+    meta: AttentionMetadata,
+    layer_idx: int,
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, Dv]
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:  # [T, H, Dv]
+    """Store one layer's new keys and values in its pool and attend over each sequence's cache."""
     k_cache, v_cache = meta.kv_caches[layer_idx]
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k = key[0].transpose(0, 1)  # [T, KVH, D]
-    v = value[0].transpose(0, 1)
     value_dim = v.shape[-1]
     if k.shape[-1] != value_dim:
         # Multi-head latent attention: the pool holds K and V at the larger size. Zero columns in q and k
         # leave every score unchanged; zero columns in v only add output columns, cut off below.
         size = k_cache.shape[-1]
         q, k, v = (torch.nn.functional.pad(x, (0, size - x.shape[-1])) for x in (q, k, v))
-    scaling = kwargs.get("scaling")
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     if meta.static:
         from hf_paged.kernels import graph_ops  # noqa: F401 - registers the op
 
         out = torch.ops.hf_paged.static_paged_attention(
             q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-            meta.max_seqlen_q, meta.max_seqlen_k, scale, kwargs.get("sliding_window"), kwargs.get("softcap"),
+            meta.max_seqlen_q, meta.max_seqlen_k, scale, sliding_window, softcap,
         )
-        return (out[..., :value_dim] if out.shape[-1] != value_dim else out).unsqueeze(0), None
-    if meta.backend in ("torch", "cpu"):
-        kernels.store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping, has_padding=meta.has_padding)
     else:
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
-    out = kernels.paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.cu_seqlens_q,
-        meta.max_seqlen_q,
-        meta.max_seqlen_k,
-        scale=scale,
-        sliding_window=kwargs.get("sliding_window"),
-        softcap=kwargs.get("softcap"),
-        backend=meta.backend,
-        plan=meta.torch_plan,
-    )
-    if out.shape[-1] != value_dim:
-        out = out[..., :value_dim]
-    return out.unsqueeze(0), None
+        if meta.backend in ("torch", "cpu"):
+            kernels.store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping, has_padding=meta.has_padding)
+        else:
+            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+        out = kernels.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, meta.max_seqlen_q,
+            meta.max_seqlen_k, scale=scale, sliding_window=sliding_window, softcap=softcap, backend=meta.backend,
+            plan=meta.torch_plan,
+        )
+    return out[..., :value_dim] if out.shape[-1] != value_dim else out
 
 
 def _record_layout(

@@ -48,6 +48,10 @@ class EngineConfig:
             size in extra memory. None: per dtype, the fastest of plain ``F.linear`` and the packings that
             pass their probe on this CPU (timed once at start); True: the fastest packing (error if none
             works); False: off; "mkl", "onednn" or "upcast": that packing (error if it packs nothing here).
+        fuse_layers: Fused CPU forward for Llama, Mistral and Qwen2 decoder layers (RMSNorm, rotary, SiLU-mul
+            and residual adds in C, attention without transposes; same math, rounded like transformers').
+            None: on for CPU models where it applies and its kernels build and pass their probe; True: on
+            (error if nothing can be fused here); False: transformers' layer code.
         enforce_eager: Run every step eagerly on exact shapes: no decode buckets, CUDA graphs or compilation.
         decode_runner: How decode steps (every sequence adds 1 token, or 1 + k when verifying drafts) run
             when not ``enforce_eager``: "auto" (CUDA graphs on CUDA; on CPU the dynamic eager path, measured
@@ -73,6 +77,7 @@ class EngineConfig:
     preemption_mode: str = "auto"
     swap_space: int = 0
     speculative_config: Any = None
+    fuse_layers: bool | None = None
     enforce_eager: bool = False
     decode_runner: str = "auto"
     decode_buckets: Any = None
@@ -98,6 +103,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         _require_int("swap_space", self.swap_space, 0)
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if self.fuse_layers is not None and not isinstance(self.fuse_layers, bool):
+            raise TypeError(f"fuse_layers must be None or a bool, got {self.fuse_layers!r}")
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.decode_runner not in DECODE_MODES:

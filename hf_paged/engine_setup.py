@@ -11,7 +11,7 @@ import torch
 
 from hf_paged import attention, model_patches
 from hf_paged.config import EngineConfig
-from hf_paged.kernels import packed_linear
+from hf_paged.kernels import fused_ops, packed_linear
 from hf_paged.kernels.packed_linear import PackedLinears
 from hf_paged.kv_pool import KVPool, decide_num_blocks, probe_kv_layout
 
@@ -74,7 +74,7 @@ def maybe_prepack(model: torch.nn.Module, cfg: EngineConfig, device: torch.devic
             return None
         return packed
 
-    packed = model_patches.acquire_packing(model, make)
+    packed = model_patches.acquire(model, "packing", make)
     if want is not None and packed is None:
         dtypes = sorted({p.dtype for p in model.parameters()}, key=str)
         tried = [k for k in packed_linear.KINDS if kind in ("any", k)]
@@ -174,9 +174,46 @@ def eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
-def release_model(model: torch.nn.Module, packed: bool) -> None:
+def maybe_fuse(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
+    """The model's fused decoder layers (shared with other engines on the same model), or None."""
+    from hf_paged.hf.fused_layers import (  # hf/ imports the engine: import late
+        FAMILIES,
+        FusedLayers,
+    )
+
+    want = cfg.fuse_layers
+    if want is False:
+        return None
+    why = ""
+    if device.type != "cpu":
+        why = f"the fused layers are CPU kernels; this model is on {device}"
+    elif not fused_ops.available(dtype):
+        why = fused_ops.unavailable_reason(dtype)
+    if why:
+        if want:
+            raise RuntimeError(f"fuse_layers=True: {why}")
+        return None
+
+    def make():
+        fused = FusedLayers(model)
+        if not fused:
+            fused.remove()
+            return None
+        return fused
+
+    fused = model_patches.acquire(model, "fused_layers", make)
+    if want and fused is None:
+        raise RuntimeError(
+            f"fuse_layers=True: no decoder layer of this model has a fused forward (families: {', '.join(FAMILIES)})"
+        )
+    return fused
+
+
+def release_model(model: torch.nn.Module, packed: bool, fused: bool = False) -> None:
     if packed:
-        model_patches.release_packing(model)
+        model_patches.release(model, "packing")
+    if fused:
+        model_patches.release(model, "fused_layers")
     model_patches.release_attention(model)
 
 

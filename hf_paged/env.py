@@ -76,9 +76,9 @@ def _runtime_libs() -> tuple[str, str]:
 
 
 def _compiler() -> str:
-    from hf_paged.kernels import cpu_attention
+    from hf_paged.kernels import native
 
-    cc = cpu_attention._compiler()
+    cc = native.compiler()
     if cc is None:
         return "none found ($CC, cc, gcc, clang)"
     try:

@@ -17,7 +17,7 @@ from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
 from hf_paged.core.scheduler_output import SchedulerOutput
 from hf_paged.engine_setup import (
-    as_prompt_list, build_pool, eos_token_ids, make_decode_runner, make_proposer, maybe_prepack, per_prompt,
+    as_prompt_list, build_pool, eos_token_ids, make_decode_runner, make_proposer, maybe_fuse, maybe_prepack, per_prompt,
     release_model, token_ids,
 )
 from hf_paged.spec_decode.config import SpeculativeConfig
@@ -57,14 +57,16 @@ class PagedGenerator:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self._closed = True  # until fully built: close() then undoes nothing twice
+        self.packed = self.fused = None
         model_patches.acquire_attention(model)
         try:
             self.pool, self.max_model_len = build_pool(model, cfg, self.device)
             self.backend = resolve_backend(cfg.attention_backend, self.device, self.pool.specs[0].dtype)
             self.packed = maybe_prepack(model, cfg, self.device)
+            self.fused = maybe_fuse(model, cfg, self.device, self.pool.specs[0].dtype)
             decode = make_decode_runner(model, cfg, self.pool, self.backend, self.max_model_len)
         except BaseException:
-            model_patches.release_attention(model)
+            release_model(model, self.packed is not None, self.fused is not None)
             raise
         self.kv_manager = KVCacheManager(
             self.pool.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.pool.num_host_blocks
@@ -72,12 +74,13 @@ class PagedGenerator:
         self.sampler = Sampler(self.device, cfg.seed)
         self.runner = ModelRunner(model, self.pool, self.backend, self.sampler, self.max_model_len,
                                   decode=decode)
+        self.runner.fused_layers = self.fused is not None
         self.runner.speculator = Speculator()
         try:
             if cfg.speculative_config is not None:
                 self._spec_settings(cfg.speculative_config)  # build the default proposer now: errors at start
         except BaseException:
-            release_model(model, self.packed is not None)
+            release_model(model, self.packed is not None, self.fused is not None)
             raise
         self.scheduler = Scheduler(
             self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
@@ -94,7 +97,7 @@ class PagedGenerator:
         self._finished_states = self.outputs.finished_queues  # finished requests whose queue is not read yet
         self._weights_seen: int | None = None
         # An engine dropped without close() gives the model back when it is garbage-collected.
-        self._release = weakref.finalize(self, release_model, model, self.packed is not None)
+        self._release = weakref.finalize(self, release_model, model, self.packed is not None, self.fused is not None)
         self._closed = False
 
     # -- intake -------------------------------------------------------------------------------------
@@ -493,7 +496,7 @@ class PagedGenerator:
             self._closed = True
             self.runner.speculator.close()
             self._release()  # once: the finalizer is dead afterwards
-            self.packed = None
+            self.packed = self.fused = None
             self.pool.kv_caches.clear()
             self.pool.host_caches.clear()
 

@@ -1,7 +1,8 @@
 """What engines change on a model, shared and reference-counted per model.
 
 Several engines (or a ``wrap`` plus an engine of one's own) may serve one model object. The attention
-switch and the packed linears are taken by the first engine and given back by the last ``close()``:
+switch, the packed linears and the fused layers are taken by the first engine and given back by the last
+``close()``:
 closing one engine never pulls the attention implementation from under another, which would make it
 generate wrong tokens silently.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,8 +23,7 @@ from hf_paged import attention
 class _Patches:
     attention_refs: int = 0
     previous_attn: str = "sdpa"
-    packed: object = None  # PackedLinears | None
-    packing_refs: int = 0
+    shared: dict = field(default_factory=dict)  # name -> [object with remove(), holders]
 
 
 _PATCHES: weakref.WeakKeyDictionary[torch.nn.Module, _Patches] = weakref.WeakKeyDictionary()
@@ -53,26 +53,32 @@ def release_attention(model: torch.nn.Module) -> None:
             attention.disable(model, patches.previous_attn)
 
 
-def acquire_packing(model: torch.nn.Module, make: Callable[[], object]):
-    """The model's packed linears, made by ``make`` for the first holder and shared after."""
+def acquire(model: torch.nn.Module, name: str, make: Callable[[], object]):
+    """The model's shared patch ``name`` (packed linears, fused layers), made by ``make`` for the first holder
+    and shared after; ``make`` may return None (nothing to patch), which holds nothing."""
     with _lock:
         patches = _PATCHES.setdefault(model, _Patches())
-        if patches.packing_refs == 0:
-            patches.packed = make()
-        if patches.packed is not None:
-            patches.packing_refs += 1
-        return patches.packed
+        entry = patches.shared.get(name)
+        if entry is None:
+            obj = make()
+            if obj is None:
+                return None
+            entry = patches.shared[name] = [obj, 0]
+        entry[1] += 1
+        return entry[0]
 
 
-def release_packing(model: torch.nn.Module) -> None:
+def release(model: torch.nn.Module, name: str) -> None:
+    """Drop one holder of patch ``name``; the last one undoes it (``remove()``)."""
     with _lock:
         patches = _PATCHES.get(model)
-        if patches is None or patches.packing_refs == 0:
+        entry = None if patches is None else patches.shared.get(name)
+        if entry is None:
             return
-        patches.packing_refs -= 1
-        if patches.packing_refs == 0 and patches.packed is not None:
-            patches.packed.remove()
-            patches.packed = None
+        entry[1] -= 1
+        if entry[1] == 0:
+            del patches.shared[name]
+            entry[0].remove()
 
 
 def num_holders(model: torch.nn.Module) -> int:

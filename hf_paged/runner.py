@@ -83,6 +83,7 @@ class ModelRunner:
         self.states: dict[int, SeqState] = {}
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._native_max_q = cpu_attention.MAX_Q if backend == "cpu" and pool.supports_native() else 0
+        self.fused_layers = False  # the model's decoder layers have the fused CPU forward (hf/fused_layers.py)
 
     def update_states(self, out: SchedulerOutput) -> None:
         for seq_id in out.finished_seq_ids:
@@ -120,6 +121,7 @@ class ModelRunner:
             backend=self.backend,
             has_padding=False,
             torch_plan=plan,
+            fused=self.fused_layers,
         )
         return StepInputs(
             input_ids=torch.tensor([ids], dtype=torch.long, device=device),

@@ -76,11 +76,69 @@ static inline float exp_nonpos(float x) {
     return x == -INFINITY ? 0.0f : p * scale.f;
 }
 
+/* 8 floats in one AVX register (two SSE registers without AVX); loads and stores need no alignment. */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+#define LD(p) (*(const v8*)(p))
+#define ST(p, x) (*(v8*)(p) = (x))
+
+static inline float hsum(v8 a) {
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
 static inline float dot(const float* a, const float* b, int n) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int d = 0; d < n; ++d) s += a[d] * b[d];
+    v8 acc = {0};
+    int d = 0;
+    for (; d + 8 <= n; d += 8) acc += LD(a + d) * LD(b + d);
+    float s = hsum(acc);
+    for (; d < n; ++d) s += a[d] * b[d];
     return s;
+}
+
+/* out[j] = q . k[j] for four keys at once: four independent accumulators keep the FMA units busy where one
+ * dot product would wait on its own chain, and each 8-float piece of q is loaded once for the four. */
+static inline void dot4(const float* q, const float* const* k, int n, float* out) {
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int d = 0;
+    for (; d + 8 <= n; d += 8) {
+        const v8 qv = LD(q + d);
+        a0 += qv * LD(k[0] + d);
+        a1 += qv * LD(k[1] + d);
+        a2 += qv * LD(k[2] + d);
+        a3 += qv * LD(k[3] + d);
+    }
+    float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
+    for (; d < n; ++d) {
+        s0 += q[d] * k[0][d];
+        s1 += q[d] * k[1][d];
+        s2 += q[d] * k[2][d];
+        s3 += q[d] * k[3][d];
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+/* acc[0:n] += sum_t w[t] * v[t][0:n], 64 columns at a time held in registers across all nt rows of v. */
+static inline void accumulate(float* acc, const float* w, const float* const* v, int nt, int n) {
+    int d = 0;
+    for (; d + 64 <= n; d += 64) {
+        v8 c0 = LD(acc + d), c1 = LD(acc + d + 8), c2 = LD(acc + d + 16), c3 = LD(acc + d + 24);
+        v8 c4 = LD(acc + d + 32), c5 = LD(acc + d + 40), c6 = LD(acc + d + 48), c7 = LD(acc + d + 56);
+        for (int t = 0; t < nt; ++t) {
+            if (w[t] == 0.0f) continue;
+            const float* p = v[t] + d;
+            const v8 wt = {w[t], w[t], w[t], w[t], w[t], w[t], w[t], w[t]};
+            c0 += wt * LD(p), c1 += wt * LD(p + 8), c2 += wt * LD(p + 16), c3 += wt * LD(p + 24);
+            c4 += wt * LD(p + 32), c5 += wt * LD(p + 40), c6 += wt * LD(p + 48), c7 += wt * LD(p + 56);
+        }
+        ST(acc + d, c0), ST(acc + d + 8, c1), ST(acc + d + 16, c2), ST(acc + d + 24, c3);
+        ST(acc + d + 32, c4), ST(acc + d + 40, c5), ST(acc + d + 48, c6), ST(acc + d + 56, c7);
+    }
+    for (; d + 8 <= n; d += 8) {
+        v8 c = LD(acc + d);
+        for (int t = 0; t < nt; ++t) c += w[t] * LD(v[t] + d);
+        ST(acc + d, c);
+    }
+    for (; d < n; ++d)
+        for (int t = 0; t < nt; ++t) acc[d] += w[t] * v[t][d];
 }
 
 int hfp_paged_attention(
@@ -101,14 +159,17 @@ int hfp_paged_attention(
     const int max_rows = heads_per_item * rep * max_q;
     const int64_t n_items = (int64_t)n_seq_ids * splits;
     const int64_t tok_stride = (int64_t)num_kv_heads * head_dim; /* elements between consecutive slots */
-    const size_t elem = dtype == DT_F32 ? 4 : 2;
+    const size_t block_bytes = (size_t)block_size * tok_stride * (dtype == DT_F32 ? 4 : 2);
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads)
     {
-        /* per-thread scratch: q rows, accumulators, softmax state, block scores, converted k/v rows */
-        size_t floats = (size_t)max_rows * head_dim * 2 + (size_t)max_rows * (2 + block_size) + 2 * (size_t)head_dim;
-        float* scratch = (float*)malloc(floats * sizeof(float));
+        /* per-thread scratch: the block's row pointers for k and v, then (fp32) q rows, accumulators,
+         * softmax state, block scores, the block's k and v rows converted to fp32 */
+        const size_t floats = (size_t)max_rows * head_dim * 2 + (size_t)max_rows * (2 + block_size) + 2 * (size_t)block_size * head_dim;
+        const float** kp = (const float**)malloc(2 * (size_t)block_size * sizeof(float*) + floats * sizeof(float));
+        const float** vp = kp + block_size;
+        float* scratch = kp == NULL ? NULL : (float*)(vp + block_size);
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -119,7 +180,7 @@ int hfp_paged_attention(
         float* l = m + max_rows;
         float* sc = l + max_rows; /* [rows, block_size] */
         float* kbuf = sc + (size_t)max_rows * block_size;
-        float* vbuf = kbuf + head_dim;
+        float* vbuf = kbuf + (size_t)block_size * head_dim;
 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < n_items; ++it) {
@@ -155,71 +216,67 @@ int hfp_paged_attention(
                 const int t0 = jb * block_size;
                 const int nt = seq_len - t0 < block_size ? seq_len - t0 : block_size;
                 const int64_t base = block * block_size * tok_stride + (int64_t)h_lo * head_dim;
-                if (jb < last_block) { /* the next block lies elsewhere in the pool: start fetching it */
-                    const int64_t next = (int64_t)block_tables[(int64_t)s * bt_stride + jb + 1] * block_size * tok_stride;
-                    __builtin_prefetch((const char*)k_cache + next * elem);
-                    __builtin_prefetch((const char*)v_cache + next * elem);
+                /* the next block lies elsewhere in the pool: fetch it a few lines per row while this one computes
+                 * (all at once would stall on the full miss queue instead) */
+                const char *pf_k = NULL, *pf_v = NULL;
+                if (jb < last_block) {
+                    const size_t next = (size_t)block_tables[(int64_t)s * bt_stride + jb + 1] * block_bytes;
+                    pf_k = (const char*)k_cache + next, pf_v = (const char*)v_cache + next;
                 }
-
-                // -- scores of every row against the block's keys --
-                for (int t = 0; t < nt; ++t) {
-                    const int pos = t0 + t;
-                    for (int hh = 0, r = 0; hh < heads_per_item; ++hh) {
-                        const float* k = load_row(k_cache, base + t * tok_stride + (int64_t)hh * head_dim, head_dim, dtype, kbuf);
-                        for (int i = 0; i < q_len; ++i) {
-                            const int p = first_pos + i;
-                            const int visible = pos <= p && (window <= 0 || pos > p - window);
-                            for (int g = 0; g < rep; ++g, ++r) {
-                                float x = -INFINITY;
-                                if (visible) {
-                                    x = dot(qbuf + (size_t)r * head_dim, k, head_dim) * scale;
-                                    if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
-                                }
-                                sc[(size_t)r * block_size + t] = x;
-                            }
-                        }
-                    }
-                }
-
-                // -- update m and l, turn scores into weights --
-                for (int r = 0; r < rows; ++r) {
-                    float* srow = sc + (size_t)r * block_size;
-                    float bm = -INFINITY;
-                    for (int t = 0; t < nt; ++t) bm = srow[t] > bm ? srow[t] : bm;
-                    if (bm == -INFINITY) {
-                        for (int t = 0; t < nt; ++t) srow[t] = 0.0f;
-                        continue;
-                    }
-                    const float new_m = bm > m[r] ? bm : m[r];
-                    if (new_m > m[r] && l[r] > 0.0f) {
-                        const float corr = exp_nonpos(m[r] - new_m);
-                        float* a = acc + (size_t)r * head_dim;
-                        l[r] *= corr;
-                        for (int d = 0; d < head_dim; ++d) a[d] *= corr;
-                    }
-                    m[r] = new_m;
-                    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
+                size_t pf_off = 0;
+                const size_t pf_step = 64 * (size_t)(block_bytes / 64 / rows + 1);
+                for (int hh = 0; hh < heads_per_item; ++hh) {
+                    // -- this KV head's keys and values in the block, as fp32 rows --
                     for (int t = 0; t < nt; ++t) {
-                        const float w = exp_nonpos(srow[t] - new_m);
-                        srow[t] = w;
-                        sum += w;
+                        const int64_t idx = base + t * tok_stride + (int64_t)hh * head_dim;
+                        kp[t] = load_row(k_cache, idx, head_dim, dtype, kbuf + (size_t)t * head_dim);
+                        vp[t] = load_row(v_cache, idx, head_dim, dtype, vbuf + (size_t)t * head_dim);
                     }
-                    l[r] += sum;
-                }
-
-                // -- accumulate the block's values --
-                for (int t = 0; t < nt; ++t) {
-                    for (int hh = 0; hh < heads_per_item; ++hh) {
-                        const float* v = load_row(v_cache, base + t * tok_stride + (int64_t)hh * head_dim, head_dim, dtype, vbuf);
-                        const int r0 = hh * q_len * rep, r1 = r0 + q_len * rep;
-                        for (int r = r0; r < r1; ++r) {
-                            const float w = sc[(size_t)r * block_size + t];
-                            if (w == 0.0f) continue;
-                            float* a = acc + (size_t)r * head_dim;
-#pragma omp simd
-                            for (int d = 0; d < head_dim; ++d) a[d] += w * v[d];
+                    const int r0 = hh * q_len * rep, r1 = r0 + q_len * rep;
+                    for (int r = r0; r < r1; ++r) {
+                        // -- the row's scores against the block's keys, four keys at a time --
+                        const float* q = qbuf + (size_t)r * head_dim;
+                        float* srow = sc + (size_t)r * block_size;
+                        int t = 0;
+                        for (; t + 4 <= nt; t += 4) dot4(q, kp + t, head_dim, srow + t);
+                        for (; t < nt; ++t) srow[t] = dot(q, kp[t], head_dim);
+                        const int p = first_pos + (r - r0) / rep; /* the row's query position */
+                        float bm = -INFINITY;
+                        for (t = 0; t < nt; ++t) {
+                            const int pos = t0 + t;
+                            float x = srow[t] * scale;
+                            if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                            x = pos <= p && (window <= 0 || pos > p - window) ? x : -INFINITY;
+                            srow[t] = x;
+                            bm = x > bm ? x : bm;
                         }
+                        if (bm == -INFINITY) continue; /* nothing visible in this block */
+
+                        // -- online softmax: rescale what was accumulated, turn scores into weights --
+                        float* a = acc + (size_t)r * head_dim;
+                        const float new_m = bm > m[r] ? bm : m[r];
+                        if (new_m > m[r] && l[r] > 0.0f) {
+                            const float corr = exp_nonpos(m[r] - new_m);
+                            l[r] *= corr;
+                            for (int d = 0; d < head_dim; ++d) a[d] *= corr;
+                        }
+                        m[r] = new_m;
+                        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                        for (t = 0; t < nt; ++t) {
+                            const float w = exp_nonpos(srow[t] - new_m);
+                            srow[t] = w;
+                            sum += w;
+                        }
+                        l[r] += sum;
+
+                        // -- accumulate the block's values --
+                        accumulate(a, srow, vp, nt, head_dim);
+                        if (pf_k != NULL)
+                            for (const size_t end = pf_off + pf_step; pf_off < end && pf_off < block_bytes; pf_off += 64) {
+                                __builtin_prefetch(pf_k + pf_off);
+                                __builtin_prefetch(pf_v + pf_off);
+                            }
                     }
                 }
             }
@@ -233,7 +290,7 @@ int hfp_paged_attention(
                         store_row(out, idx, head_dim, dtype, acc + (size_t)r * head_dim, l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
                     }
         }
-        free(scratch);
+        free(kp);
     }
     return failed ? -1 : 0;
 }

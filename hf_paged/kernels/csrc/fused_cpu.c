@@ -1,0 +1,149 @@
+/*
+ * Fused elementwise CPU kernels for the decoder layers of Llama-family models: RMSNorm (optionally after the
+ * residual add) and rotary embedding of q and k in place. Each replaces several torch ops (and their Python
+ * dispatch) with one call and one pass over the rows. (SiLU-mul stays in torch: its vectorized exp is
+ * faster than what this file's portable C reached.)
+ *
+ * Rounding follows the torch code they replace op by op: every intermediate that torch materializes in the
+ * model's dtype is rounded to it here too (bf16/fp16), and the file is built with -ffp-contract=off so no
+ * multiply-add is fused where torch rounds in between. fp32 results differ from torch's only in the order of
+ * the RMSNorm's sum of squares and in the exp of SiLU (~1 ulp).
+ *
+ * Built and loaded like paged_attention_cpu.c (hf_paged/kernels/fused_ops.py), called through ctypes.
+ * Row strides are in elements; the last dimension of every tensor is contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+#define PAR_ELEMS (1 << 16) /* below this many elements one thread does the whole call */
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)(v.u >> 16);
+}
+
+static inline float ld(const void* p, int64_t i, int dt) {
+    if (dt == DT_F32) return ((const float*)p)[i];
+    if (dt == DT_BF16) return bf16_to_f32(((const uint16_t*)p)[i]);
+    return (float)((const _Float16*)p)[i];
+}
+
+/* round to the storage dtype and back (what torch does between two ops) */
+static inline float rnd(float x, int dt) {
+    if (dt == DT_F32) return x;
+    if (dt == DT_BF16) return bf16_to_f32(f32_to_bf16(x));
+    return (float)(_Float16)x;
+}
+
+static inline void st(void* p, int64_t i, int dt, float x) {
+    if (dt == DT_F32) ((float*)p)[i] = x;
+    else if (dt == DT_BF16) ((uint16_t*)p)[i] = f32_to_bf16(x);
+    else ((_Float16*)p)[i] = (_Float16)x;
+}
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+#define LD(p) (*(const v8*)(p))
+
+/* sum of h[i]^2, each square rounded before it is added (torch squares, then sums), 32 lanes at a time */
+static inline float sum_squares(const float* h, int n) {
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const v8 x0 = LD(h + i), x1 = LD(h + i + 8), x2 = LD(h + i + 16), x3 = LD(h + i + 24);
+        a0 += x0 * x0, a1 += x1 * x1, a2 += x2 * x2, a3 += x3 * x3;
+    }
+    for (; i + 8 <= n; i += 8) {
+        const v8 x0 = LD(h + i);
+        a0 += x0 * x0;
+    }
+    const v8 a = (a0 + a1) + (a2 + a3);
+    float s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+    for (; i < n; ++i) s += h[i] * h[i];
+    return s;
+}
+
+/*
+ * out[r] = w * (h * rsqrt(mean(h^2) + eps)) with h = x[r], or, given add, h = x[r] + add[r], also written to
+ * sum_out[r] (the new residual). Torch's order: h rounded to the dtype, the normalized row rounded to it
+ * before the weight multiplies, the product rounded.
+ */
+void hfp_rms_norm(const void* x, int64_t x_stride, const void* add, int64_t add_stride, void* sum_out,
+                  int64_t sum_stride, const void* w, void* out, int64_t out_stride, int rows, int n, float eps,
+                  int dt, int threads) {
+    const int nt = (int64_t)rows * n >= PAR_ELEMS ? threads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int r = 0; r < rows; ++r) {
+        float buf[n]; /* n is a hidden size: a few KiB of stack */
+        const float* h = buf;
+        const int64_t x0 = (int64_t)r * x_stride, a0 = (int64_t)r * add_stride, s0 = (int64_t)r * sum_stride;
+        if (add != NULL) {
+            for (int i = 0; i < n; ++i) {
+                buf[i] = rnd(ld(x, x0 + i, dt) + ld(add, a0 + i, dt), dt);
+                st(sum_out, s0 + i, dt, buf[i]);
+            }
+        } else if (dt == DT_F32) {
+            h = (const float*)x + x0;
+        } else {
+            for (int i = 0; i < n; ++i) buf[i] = ld(x, x0 + i, dt);
+        }
+        const float inv = 1.0f / sqrtf(sum_squares(h, n) / (float)n + eps);
+        const int64_t o0 = (int64_t)r * out_stride;
+        if (dt == DT_F32) {
+            const float* wf = (const float*)w;
+            float* o = (float*)out + o0;
+#pragma omp simd
+            for (int i = 0; i < n; ++i) o[i] = wf[i] * (h[i] * inv);
+        } else {
+            for (int i = 0; i < n; ++i) st(out, o0 + i, dt, ld(w, i, dt) * rnd(h[i] * inv, dt));
+        }
+    }
+}
+
+/*
+ * Rotary embedding in place, "rotate half" layout: for each of q's nq heads and k's nk heads of token t,
+ * x'[i] = x[i] * cos[i] - x[i + d/2] * sin[i] and x'[i + d/2] = x[i + d/2] * cos[i + d/2] + x[i] * sin[i + d/2]
+ * (cos, sin: [tokens, d] in the dtype). Rounded like torch's (x * cos) + (rotate_half(x) * sin).
+ */
+void hfp_rope(void* q, int64_t q_stride, int nq, void* k, int64_t k_stride, int nk, const void* cos,
+              const void* sin, int64_t cs_stride, int tokens, int d, int dt, int threads) {
+    const int half = d / 2;
+    const int nt = (int64_t)tokens * (nq + nk) * d >= PAR_ELEMS ? threads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int t = 0; t < tokens; ++t) {
+        const int64_t c0 = (int64_t)t * cs_stride;
+        for (int h = 0; h < nq + nk; ++h) {
+            void* base = h < nq ? q : k;
+            const int64_t x0 = h < nq ? (int64_t)t * q_stride + (int64_t)h * d : (int64_t)t * k_stride + (int64_t)(h - nq) * d;
+            if (dt == DT_F32) {
+                float* x = (float*)base + x0;
+                const float* c = (const float*)cos + c0;
+                const float* s = (const float*)sin + c0;
+#pragma omp simd
+                for (int i = 0; i < half; ++i) {
+                    const float a = x[i], b = x[i + half];
+                    x[i] = a * c[i] + (-b) * s[i];
+                    x[i + half] = b * c[i + half] + a * s[i + half];
+                }
+            } else {
+                for (int i = 0; i < half; ++i) {
+                    const float a = ld(base, x0 + i, dt), b = ld(base, x0 + i + half, dt);
+                    const float lo = rnd(a * ld(cos, c0 + i, dt), dt) + rnd(-b * ld(sin, c0 + i, dt), dt);
+                    const float hi = rnd(b * ld(cos, c0 + i + half, dt), dt) + rnd(a * ld(sin, c0 + i + half, dt), dt);
+                    st(base, x0 + i, dt, lo);
+                    st(base, x0 + i + half, dt, hi);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,123 @@
+"""Fused elementwise CPU kernels of a Llama-family decoder layer (``csrc/fused_cpu.c``), called through ctypes.
+
+RMSNorm (optionally after the residual add) and rotary embedding of q and k in place, each one C call and
+one pass over the rows where the torch code takes several ops and their Python dispatch. Built by :mod:`hf_paged.kernels.native` with ``-ffp-contract=off`` and rounded op by op like the
+torch code they replace; each dtype is probed once against that torch code (:mod:`hf_paged.kernels.probes`)
+and :func:`available` is False where the build or the probe fails. Used by :mod:`hf_paged.hf.fused_layers`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from hf_paged.kernels import probes
+from hf_paged.kernels.native import NativeLibrary
+
+PROBE = "layers.fused"
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+LIBRARY = NativeLibrary(
+    "fused_cpu.c",
+    {
+        "hfp_rms_norm": (None, [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i32, _i32, _f32, _i32, _i32]),
+        "hfp_rope": (None, [_ptr, _i64, _i32, _ptr, _i64, _i32, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32]),
+    },
+    extra_flags=("-ffp-contract=off",),
+    what="the fused CPU layer kernels",
+)
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dim() != 2 or t.stride(-1) != 1 or t.device.type != "cpu" or t.dtype not in _DTYPES:
+        raise ValueError(f"{name}: expected a CPU fp32/bf16/fp16 [rows, n] tensor with contiguous rows, got "
+                         f"{tuple(t.shape)} {t.dtype} strides {t.stride()} on {t.device}")
+    return t
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``weight * norm(h)`` of ``h = x`` or ``h = x + residual``; returns (normalized, h if residual given else None)."""
+    _rows(x, "x")
+    rows, n = x.shape
+    out = torch.empty(rows, n, dtype=x.dtype)
+    total = None
+    if residual is not None:
+        _rows(residual, "residual")
+        total = torch.empty(rows, n, dtype=x.dtype)
+    LIBRARY.load().hfp_rms_norm(
+        x.data_ptr(), x.stride(0), 0 if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
+        0 if total is None else total.data_ptr(), n, weight.data_ptr(), out.data_ptr(), n, rows, n, float(eps),
+        _DTYPES[x.dtype], torch.get_num_threads(),
+    )
+    return out, total
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate ``q`` ``[tokens, heads * d]`` and ``k`` ``[tokens, kv_heads * d]`` in place ("rotate half" layout)
+    by ``cos``/``sin`` ``[tokens, d]``."""
+    for t, name in ((q, "q"), (k, "k"), (cos, "cos"), (sin, "sin")):
+        _rows(t, name)
+    d = cos.shape[1]
+    LIBRARY.load().hfp_rope(
+        q.data_ptr(), q.stride(0), q.shape[1] // d, k.data_ptr(), k.stride(0), k.shape[1] // d, cos.data_ptr(),
+        sin.data_ptr(), cos.stride(0), q.shape[0], d, _DTYPES[q.dtype], torch.get_num_threads(),
+    )
+
+
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernels build here and compute ``dtype`` like the torch code they replace (probed once)."""
+    return probes.probe(PROBE, dtype).ok
+
+
+def unavailable_reason(dtype: torch.dtype = torch.float32) -> str:
+    return probes.probe(PROBE, dtype).reason
+
+
+def reset() -> None:
+    """Forget the loaded library and probe results (for tests)."""
+    LIBRARY.reset()
+    probes.reset(PROBE)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _probe(dtype: torch.dtype) -> None:
+    """Each kernel on odd shapes (several threads' worth of rows, a strided view) against its torch code."""
+    if dtype not in _DTYPES:
+        raise NotImplementedError(f"the fused kernels take {sorted(str(d) for d in _DTYPES)}, not {dtype}")
+    if LIBRARY.load() is None:
+        raise RuntimeError(LIBRARY.why or "the fused kernels could not be built")
+    g = torch.Generator().manual_seed(0)
+    rows, n, eps = 130, 520, 1e-5
+    x = torch.randn(rows, n, generator=g).to(dtype)
+    res = torch.randn(rows, n + 8, generator=g).to(dtype)[:, :n]
+    w = (torch.rand(n, generator=g) + 0.5).to(dtype)
+
+    def norm_ref(h):
+        hf = h.float()
+        return w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+    out, total = rms_norm(x, w, eps)
+    probes.check_close(out, norm_ref(x), "fused RMSNorm")
+    out, total = rms_norm(x, w, eps, residual=res)
+    probes.check_close(total, x + res, "fused residual add")
+    probes.check_close(out, norm_ref(x + res), "fused residual add + RMSNorm")
+    d, heads, kv_heads = 16, 3, 1
+    qk = torch.randn(rows, (heads + kv_heads) * d, generator=g).to(dtype)
+    angles = torch.randn(rows, d // 2, generator=g).repeat(1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want_q = (qk[:, : heads * d].view(rows, heads, d) * cos[:, None] + _rotate_half(qk[:, : heads * d].view(rows, heads, d)) * sin[:, None])
+    want_k = qk[:, heads * d :] * cos + _rotate_half(qk[:, heads * d :]) * sin
+    got = qk.clone()
+    rope_(got[:, : heads * d], got[:, heads * d :], cos, sin)
+    probes.check_close(got[:, : heads * d], want_q.reshape(rows, heads * d), "fused rotary (q)")
+    probes.check_close(got[:, heads * d :], want_k, "fused rotary (k)")
+
+
+probes.register(PROBE, _probe)

@@ -1,0 +1,108 @@
+"""The fused CPU decoder-layer forward (hf/fused_layers.py) and its kernels (kernels/fused_ops.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from hf_paged import PagedGenerator, SamplingParams
+from hf_paged.kernels import fused_ops
+from tests.helpers import make_model, make_prompts, stock_greedy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernels_build_and_pass_their_probe(dtype):
+    assert fused_ops.available(dtype), fused_ops.unavailable_reason(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_round_like_the_torch_code(dtype):
+    g = torch.Generator().manual_seed(3)
+    x, res = torch.randn(2, 33, 96, generator=g).to(dtype)
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype)
+
+    def norm(h):  # transformers' LlamaRMSNorm
+        hf = h.float()
+        return w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+
+    out, total = fused_ops.rms_norm(x, w, 1e-6, residual=res)
+    assert torch.equal(total, x + res)
+    if dtype == torch.bfloat16:  # the product of two rounded values: equal but for sum-order ties
+        assert (out == norm(x + res)).float().mean() > 0.99
+    torch.testing.assert_close(out, norm(x + res), rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
+    q, k = torch.randn(33, 4 * 16, generator=g).to(dtype), torch.randn(33, 2 * 16, generator=g).to(dtype)
+    angle = torch.randn(33, 8, generator=g).repeat(1, 2)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    want_q, want_k = transformers.models.llama.modeling_llama.apply_rotary_pos_emb(
+        q.view(1, 33, 4, 16).transpose(1, 2), k.view(1, 33, 2, 16).transpose(1, 2), cos[None], sin[None]
+    )
+    fused_ops.rope_(q, k, cos, sin)
+    assert torch.equal(q, want_q.transpose(1, 2).reshape(33, 64))  # same ops, same rounding: bitwise
+    assert torch.equal(k, want_k.transpose(1, 2).reshape(33, 32))
+
+
+def test_kernels_refuse_bad_tensors():
+    with pytest.raises(ValueError, match=r"x: expected a CPU fp32/bf16/fp16 \[rows, n\] tensor"):
+        fused_ops.rms_norm(torch.randn(4, 8).t(), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="expected a CPU fp32/bf16/fp16"):
+        fused_ops.rms_norm(torch.randn(4, 8, dtype=torch.float64), torch.ones(8), 1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_fused_engine_matches_stock_generate(arch, monkeypatch):
+    model = make_model(arch, seed=4)
+    calls = []
+    real = fused_ops.rms_norm
+    monkeypatch.setattr(fused_ops, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # lengths around the Mistral window (48) and a block edge; a batch mixing prefill and decode
+    prompts = make_prompts(5, lengths=[1, 16, 47, 49, 70], seed=arch.__len__())
+    with PagedGenerator(model, num_blocks=96, block_size=16, max_num_seqs=3) as engine:
+        assert engine.fused is not None and len(engine.fused) == model.config.num_hidden_layers
+        outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
+    assert calls, "the fused forward never ran"
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, 24)
+    # given back on close: the layers run transformers' forward again
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+
+
+def test_off_and_unfusable_models_keep_transformers_layers():
+    model = make_model("llama", seed=5)
+    with PagedGenerator(model, num_blocks=32, fuse_layers=False) as engine:
+        assert engine.fused is None
+        assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16,
+    )).eval()
+    with PagedGenerator(gemma, num_blocks=16) as engine:
+        assert engine.fused is None  # auto: nothing to fuse is fine
+    with pytest.raises(RuntimeError, match="fuse_layers=True: no decoder layer of this model has a fused forward"):
+        PagedGenerator(gemma, num_blocks=16, fuse_layers=True)
+    assert gemma.config._attn_implementation != "hf_paged"  # the failed start gave everything back
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.0])
+def test_fuse_layers_must_be_a_bool(value):
+    with pytest.raises(TypeError, match=f"fuse_layers must be None or a bool, got {value!r}"):
+        PagedGenerator(make_model("llama"), num_blocks=16, fuse_layers=value)
+
+
+def test_shared_by_engines_and_plain_forwards_untouched():
+    model = make_model("llama", seed=6)
+    ids = torch.tensor([make_prompts(1, lengths=[12], seed=1)[0]])
+    with torch.no_grad():
+        before = model(ids).logits
+    first = PagedGenerator(model, num_blocks=32)
+    second = PagedGenerator(model, num_blocks=32)
+    assert first.fused is second.fused is not None
+    with torch.no_grad():  # outside an engine forward the layers run transformers' code
+        torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+    first.close()
+    assert all("forward" in layer.__dict__ for layer in model.model.layers)  # the other engine still holds it
+    prompt = ids[0].tolist()
+    out = second.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == stock_greedy(model, prompt, 8)
+    second.close()
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
