@@ -97,7 +97,7 @@ def _gpus() -> list[str]:
 
 def kernel_choices(dtype: torch.dtype, device: str = "cpu") -> dict[str, str]:
     """The linear and attention kernels the engine uses for ``dtype`` on ``device``, each with its reason."""
-    from hf_paged.kernels import cpu_attention, packed_linear, resolve_backend
+    from hf_paged.kernels import cpu_attention, fused_ops, packed_linear, resolve_backend
 
     if device == "cuda":
         backend = resolve_backend("auto", torch.device("cuda"), dtype)
@@ -108,7 +108,11 @@ def kernel_choices(dtype: torch.dtype, device: str = "cpu") -> dict[str, str]:
         attention = "cpu (native C kernel for decode, torch SDPA for prefill chunks)"
     else:
         attention = f"torch (native kernel unavailable: {cpu_attention.unavailable_reason(dtype)})"
-    return {"linear": linear, "attention": attention}
+    if fused_ops.available(dtype):
+        layers = "fused C kernels for Llama, Mistral and Qwen2 decoder layers; transformers' code for others"
+    else:
+        layers = f"transformers' code (fused kernels unavailable: {fused_ops.unavailable_reason(dtype)})"
+    return {"linear": linear, "attention": attention, "layers": layers}
 
 
 def collect() -> dict:
@@ -161,6 +165,7 @@ def format_report(info: dict) -> str:
     for name, choice in info["kernels"].items():
         lines.append(f"{name} linear: {choice['linear']}")
         lines.append(f"{name} attention: {choice['attention']}")
+        lines.append(f"{name} decoder layers: {choice['layers']}")
     for name, choice in info.get("kernels_cuda", {}).items():
         lines.append(f"{name} on cuda: linear {choice['linear']}, attention {choice['attention']}")
     return "\n".join(lines)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.kernels import cpu_attention, packed_linear, probes, reset_fast_paths
+from hf_paged.kernels import cpu_attention, fused_ops, packed_linear, probes, reset_fast_paths
 from tests.helpers import make_model, make_prompts, stock_greedy
 
 PROMPTS = make_prompts(4, [1, 9, 40, 70], seed=3)
@@ -78,7 +78,10 @@ def test_failing_compiler_falls_back_to_torch_attention(monkeypatch):
     assert not cpu_attention.available(torch.float32)
     assert "building with false failed" in cpu_attention.unavailable_reason(torch.float32)
     engine = _parity()
-    assert engine.backend == "torch"
+    assert engine.backend == "torch" and engine.fused is None  # the fused layers' C kernels are off too
+    assert "building with false failed" in fused_ops.unavailable_reason(torch.float32)
+    with pytest.raises(RuntimeError, match="fuse_layers=True: RuntimeError: building with false failed"):
+        PagedGenerator(make_model("llama", seed=3), num_blocks=16, fuse_layers=True)
     with pytest.raises(RuntimeError, match="attention_backend='cpu' needs its native kernel.*building with false failed"):
         PagedGenerator(make_model("llama", seed=3), num_blocks=16, attention_backend="cpu")
 
@@ -143,9 +146,10 @@ def test_env_reports_versions_features_and_kernel_choices(capsys, monkeypatch):
     assert "avx2" in info["cpu"]["features"] or "asimd" in info["cpu"]["features"]
     assert info["cpu"]["logical_cpus"] == os.cpu_count()
     for dtype in ("fp32", "bf16"):
-        assert set(info["kernels"][dtype]) == {"linear", "attention"}
+        assert set(info["kernels"][dtype]) == {"linear", "attention", "layers"}
+        assert info["kernels"][dtype]["layers"].startswith("fused C kernels")
     assert "onednn unavailable: RuntimeError: bf16 path needs the cpu support avx512bw" in info["kernels"]["bf16"]["linear"]
     assert main(["env"]) == 0
     text = capsys.readouterr().out
-    for line in ("vector features:", "openmp runtime:", "allocator:", "c compiler:", "fp32 linear:", "bf16 attention:"):
+    for line in ("vector features:", "openmp runtime:", "allocator:", "c compiler:", "fp32 linear:", "bf16 attention:", "fp32 decoder layers:"):
         assert line in text

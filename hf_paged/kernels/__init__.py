@@ -171,11 +171,12 @@ def paged_attention(
 
 def reset_fast_paths() -> None:
     """Forget every probe result, timing and loaded native library: the next use probes afresh (tests)."""
-    from hf_paged.kernels import packed_linear, probes
+    from hf_paged.kernels import fused_ops, packed_linear, probes
 
     probes.reset()
     packed_linear.reset()
     cpu_attention.reset()
+    fused_ops.reset()
 
 
 __all__ = ["BACKENDS", "reset_fast_paths", "TorchAttentionPlan", "paged_attention", "resolve_backend", "store_kv"]
