@@ -67,14 +67,7 @@ def maybe_prepack(model: torch.nn.Module, cfg: EngineConfig, device: torch.devic
         return None
     kind = want if isinstance(want, str) else ("any" if want else "auto")
 
-    def make():
-        packed = PackedLinears(model, attention.engine_forward_active, kind)
-        if not packed:
-            packed.remove()
-            return None
-        return packed
-
-    packed = model_patches.acquire(model, "packing", make)
+    packed = model_patches.acquire(model, "packing", lambda: PackedLinears(model, attention.engine_forward_active, kind))
     if want is not None and packed is None:
         dtypes = sorted({p.dtype for p in model.parameters()}, key=str)
         tried = [k for k in packed_linear.KINDS if kind in ("any", k)]
@@ -194,14 +187,7 @@ def maybe_fuse(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, 
             raise RuntimeError(f"fuse_layers=True: {why}")
         return None
 
-    def make():
-        fused = FusedLayers(model)
-        if not fused:
-            fused.remove()
-            return None
-        return fused
-
-    fused = model_patches.acquire(model, "fused_layers", make)
+    fused = model_patches.acquire(model, "fused_layers", lambda: FusedLayers(model))
     if want and fused is None:
         raise RuntimeError(
             f"fuse_layers=True: no decoder layer of this model has a fused forward (families: {', '.join(FAMILIES)})"

@@ -55,13 +55,15 @@ def release_attention(model: torch.nn.Module) -> None:
 
 def acquire(model: torch.nn.Module, name: str, make: Callable[[], object]):
     """The model's shared patch ``name`` (packed linears, fused layers), made by ``make`` for the first holder
-    and shared after; ``make`` may return None (nothing to patch), which holds nothing."""
+    and shared after. A patch that changed nothing (empty: ``len`` 0) is removed again and None returned,
+    holding nothing."""
     with _lock:
         patches = _PATCHES.setdefault(model, _Patches())
         entry = patches.shared.get(name)
         if entry is None:
             obj = make()
-            if obj is None:
+            if not obj:
+                obj.remove()
                 return None
             entry = patches.shared[name] = [obj, 0]
         entry[1] += 1

@@ -13,8 +13,8 @@
  * Row strides are in elements; the last dimension of every tensor is contiguous.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 #define PAR_ELEMS (1 << 16) /* below this many elements one thread does the whole call */
