@@ -83,6 +83,13 @@ def release(model: torch.nn.Module, name: str) -> None:
             entry[0].remove()
 
 
+def current(model: torch.nn.Module, name: str):
+    """The model's live shared patch ``name``, or None (read without the lock: one dict lookup per call)."""
+    patches = _PATCHES.get(model)
+    entry = None if patches is None else patches.shared.get(name)
+    return None if entry is None else entry[0]
+
+
 def num_holders(model: torch.nn.Module) -> int:
     with _lock:
         patches = _PATCHES.get(model)

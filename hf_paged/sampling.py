@@ -198,11 +198,11 @@ class Sampler:
             if gen is None:
                 unseeded.append(j)
             else:
-                noise[j].exponential_(generator=gen)
+                noise[j].uniform_(generator=gen)
         if unseeded:
             idx = torch.tensor(unseeded, device=device)
-            noise.index_copy_(0, idx, torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self.generator))
-        return noise
+            noise.index_copy_(0, idx, torch.empty(len(unseeded), vocab, device=device).uniform_(generator=self.generator))
+        return uniform_to_exponential_(noise)
 
     def sample(
         self, logits: torch.Tensor, states: Sequence[SeqState], scores: dict[int, torch.Tensor] | None = None
@@ -225,6 +225,16 @@ class Sampler:
             noise = self.exponential_noise([states[i] for i in random_rows], processed.shape[-1], logits.device)
             tokens.index_copy_(0, rows, (probs / noise).argmax(dim=-1))
         return tokens.tolist()
+
+
+def uniform_to_exponential_(u: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise from uniform ``u`` in [0, 1), in place: ``-log(1 - u)``, kept above zero so that
+    ``p / E`` stays finite and a zero-probability token can never win the race.
+
+    On CPU ``uniform_`` + ``log`` is ~6x faster than ``exponential_`` (64 x 49152 draws: 10 ms against 59 ms
+    on a Zen 4 host), which made random sampling a quarter of a 64-sequence decode step.
+    """
+    return u.neg_().log1p_().neg_().clamp_min_(torch.finfo(u.dtype).tiny)
 
 
 def _check_finite(row_max: torch.Tensor, states: Sequence[SeqState]) -> None:

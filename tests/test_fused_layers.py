@@ -106,3 +106,37 @@ def test_shared_by_engines_and_plain_forwards_untouched():
     assert list(out[0].outputs[0].token_ids) == stock_greedy(model, prompt, 8)
     second.close()
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_fused_layers_run_qkv_and_gate_up_as_one_gemm_each(arch):
+    """With packed linears the fused forward runs q/k/v as one GEMM and gate/up as another (memory: the members'
+    own packs are dropped), follows a weight changed between steps, and a member called on its own (a forward
+    outside the fused path) packs itself again."""
+    from hf_paged.hf.fused_layers import GATE_UP, QKV
+
+    model = make_model(arch, seed=7)
+    prompts = make_prompts(3, lengths=[5, 18, 33], seed=7)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    with PagedGenerator(model, num_blocks=48, block_size=16, prepack_weights=True) as engine:
+        assert engine.packed is not None and engine.fused is not None
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, 10)
+        packs = engine.packed
+        for layer in model.model.layers:
+            qkv, gate_up = packs.group(layer.self_attn, QKV), packs.group(layer.mlp, GATE_UP)
+            assert qkv is not None and gate_up is not None
+            assert (qkv.bias is not None) == (arch == "qwen2")
+            assert all(packs._packs[id(m)] is None for m in qkv.modules + gate_up.modules)
+        with torch.no_grad():  # an optimizer-like in-place update of one member between requests
+            model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+            model.model.layers[-1].mlp.up_proj.weight.add_(0.01)
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, 10)
+        engine.fused.remove()  # the layers run transformers' forward: each projection on its own pack again
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, 10)
+        assert all(packs._packs[id(m)] is not None for m in packs.group(model.model.layers[0].mlp, GATE_UP).modules)

@@ -1,9 +1,12 @@
 """Vectorized torch kernels against the readable reference."""
 
+import platform
+
 import pytest
 import torch
 
 from hf_paged.kernels import TorchAttentionPlan, cpu_attention, paged_attention, resolve_backend, store_kv
+from hf_paged.kernels.native import NativeLibrary
 from hf_paged.kernels.reference import paged_attention_reference, store_kv_reference
 from tests.kernel_cases import make_case
 
@@ -119,6 +122,27 @@ def test_store_kv_matches_reference_and_skips_padding(block_size):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_store_kv_matches_reference(dtype):
+    """The engine's CPU path stores K and V with one native call: same result, padding skipped, rows
+    from a strided [T, H*D] projection, a slot past the pool refused before anything is written."""
+    g = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(6, 4, 2, 8, generator=g).to(dtype)
+    v_cache = torch.randn(6, 4, 2, 8, generator=g).to(dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([3, -1, 17, 0, 23])
+    qkv = torch.randn(5, 3 * 16, generator=g).to(dtype)  # rows of a fused projection: strided views
+    key, value = qkv[:, 16:32].view(5, 2, 8), qkv[:, 32:].view(5, 2, 8)
+    assert cpu_attention.store_kv_native(key, value, k_cache, v_cache, slots)
+    store_kv_reference(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    with pytest.raises(IndexError, match="24 slots"):
+        cpu_attention.store_kv_native(key, value, k_cache, v_cache, torch.tensor([1, 2, 24, 3, 4]))
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    # another dtype than the pool's: not applicable, nothing written (the torch path converts)
+    assert not cpu_attention.store_kv_native(key.half(), value.half(), k_cache, v_cache, slots)
+
+
 def test_store_kv_accepts_strided_views():
     k_cache = torch.zeros(4, 4, 2, 8)
     v_cache = torch.zeros(4, 4, 2, 8)
@@ -137,3 +161,20 @@ def test_bad_shapes_raise_value_error():
         store_kv(torch.zeros(2, 2, 16), torch.zeros(2, 2, 16), case.k_cache, case.v_cache, torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="backend"):
         paged_attention(*case.args(), backend="cuda-magic")
+
+
+@pytest.mark.parametrize("isa_flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma")],
+                         ids=["avx2", "no-avx2"])
+def test_native_kernel_narrower_vector_paths(isa_flags, monkeypatch):
+    """The kernel picks its vector width and exp path from the ISA it is built for (AVX-512, AVX2, scalar):
+    build the narrower ones too, so an AVX-512 host also checks what AVX2-only CPUs run."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX") or platform.machine() != "x86_64":
+        pytest.skip("x86 ISA flags")
+    lib = NativeLibrary("paged_attention_cpu.c", cpu_attention.LIBRARY.functions, extra_flags=isa_flags)
+    assert lib.load() is not None, lib.why
+    monkeypatch.setattr(cpu_attention, "LIBRARY", lib)
+    for shape, window, softcap in (("decode", None, None), ("spec_verify", 4, 5.0), ("mixed", None, None)):
+        case = make_case(*SHAPES[shape], num_heads=6, num_kv_heads=2, block_size=16, seed=5)
+        want = paged_attention_reference(*case.args(), sliding_window=window, softcap=softcap)
+        got = paged_attention(*case.args(), sliding_window=window, softcap=softcap, backend="cpu")
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

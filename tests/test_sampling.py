@@ -121,3 +121,18 @@ def test_each_sequence_state_owns_its_generator():
     fork = req.fork(99, seed_offset=1)  # sample 1 of an n > 1 request: seed + 1
     alone = make_req("y", temperature=1.0, seed=6)
     assert sampler.sample(torch.zeros(1, 1000), [fork]) == sampler.sample(torch.zeros(1, 1000), [alone])
+
+
+def test_exponential_noise_from_uniform_stays_positive_and_finite():
+    """u = 0 (a 2^-24 chance per draw, so about once per few steps of 64 x 49152 draws) must not give E = 0:
+    p / 0 would be inf for a live token and NaN for a masked (p = 0) one."""
+    from hf_paged.sampling import uniform_to_exponential_
+
+    u = torch.tensor([0.0, 0.5, 1.0 - 2**-24, 2**-24])
+    e = uniform_to_exponential_(u.clone())
+    assert bool((e > 0).all()) and bool(torch.isfinite(e).all())
+    torch.testing.assert_close(e[1:], -torch.log1p(-u[1:]))
+    probs = torch.tensor([0.0, 0.5, 0.5, 0.0])
+    assert int((probs / e).argmax()) in (1, 2)  # a zero-probability token never wins, even against E = tiny
+    big = uniform_to_exponential_(torch.empty(200_000).uniform_(generator=torch.Generator().manual_seed(0)))
+    assert abs(big.mean().item() - 1.0) < 0.01 and abs(big.var().item() - 1.0) < 0.02

@@ -19,15 +19,17 @@ original forward. An engine turns it on per step with ``AttentionMetadata.fused`
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
-from hf_paged import attention
+from hf_paged import attention, model_patches
 from hf_paged.kernels import fused_ops
 
 logger = logging.getLogger(__name__)
 
 FAMILIES = ("Llama", "Mistral", "Qwen2")
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj", "act_fn"}
@@ -81,7 +83,7 @@ class FusedLayers:
             if why:
                 skipped[why] = skipped.get(why, 0) + 1
                 continue
-            module.forward = _fused_forward(module)
+            module.forward = _fused_forward(module, weakref.ref(model))
             self.layers.append(module)
         if self.layers or skipped:
             logger.info("fused CPU forward on %d decoder layers%s", len(self.layers),
@@ -96,7 +98,15 @@ class FusedLayers:
         self.layers.clear()
 
 
-def _fused_forward(layer: torch.nn.Module):
+def _group(model_ref, parent: torch.nn.Module, names: tuple[str, ...], x: torch.Tensor):
+    """The engine's packed group of ``parent``'s linears ``names`` (one GEMM for them), if it can take ``x``."""
+    model = model_ref()
+    packing = None if model is None else model_patches.current(model, "packing")
+    group = None if packing is None or torch.is_grad_enabled() else packing.group(parent, names)
+    return group if group is not None and group.dtype == x.dtype else None
+
+
+def _fused_forward(layer: torch.nn.Module, model_ref):
     original = type(layer).forward.__get__(layer)
     attn, mlp = layer.self_attn, layer.mlp
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
@@ -123,7 +133,11 @@ def _fused_forward(layer: torch.nn.Module):
         x = hidden_states[0]
         tokens = x.shape[0]
         h, _ = fused_ops.rms_norm(x, ln1.weight, ln1.variance_epsilon)
-        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        qkv = _group(model_ref, attn, QKV, h)
+        if qkv is not None:  # one GEMM, q/k/v as column views of its output
+            q, k, v = qkv.linear(h).split(qkv.sizes, dim=-1)
+        else:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
         cos, sin = position_embeddings
         fused_ops.rope_(q, k, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))
         out = attention.attend(
@@ -132,7 +146,12 @@ def _fused_forward(layer: torch.nn.Module):
         )
         o = attn.o_proj(out.reshape(tokens, -1))
         h, residual = fused_ops.rms_norm(o, ln2.weight, ln2.variance_epsilon, residual=x)
-        m = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h), inplace=True).mul_(mlp.up_proj(h)))
+        gate_up = _group(model_ref, mlp, GATE_UP, h)
+        if gate_up is not None:
+            gate, up = gate_up.linear(h).split(gate_up.sizes, dim=-1)
+            m = mlp.down_proj(torch.mul(torch.nn.functional.silu(gate, inplace=True), up))
+        else:
+            m = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h), inplace=True).mul_(mlp.up_proj(h)))
         return torch.add(residual, m).unsqueeze(0)
 
     return forward

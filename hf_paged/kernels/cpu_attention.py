@@ -26,7 +26,8 @@ _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c
 LIBRARY = NativeLibrary(
     "paged_attention_cpu.c",
     {"hfp_paged_attention": (_i32, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i32, _ptr, _i64, _i64,
-                                    _i32, _i32, _i32, _i32, _f32, _i32, _f32, _i32, _i32, _i32])},
+                                    _i32, _i32, _i32, _i32, _f32, _i32, _f32, _i32, _i32, _i32]),
+     "hfp_store_kv": (_i32, [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64])},
     what="the native CPU attention kernel",
 )
 
@@ -124,3 +125,33 @@ def paged_attention_native(
     )
     if rc != 0:
         raise MemoryError("native CPU attention could not allocate its scratch buffers")
+
+
+def store_kv_native(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> bool:
+    """Copy the new keys and values into their slots in one native call; False (nothing written) where the
+    call does not apply (no library, another dtype or layout), and the caller stores them with torch."""
+    lib = LIBRARY.load()
+    if (
+        lib is None or key.dtype != k_cache.dtype or value.dtype != v_cache.dtype or key.device.type != "cpu"
+        or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+        or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+        or key.shape[1:] != k_cache.shape[2:] or value.shape[1:] != v_cache.shape[2:] or key.shape[1:] != value.shape[1:]
+        or key.shape[0] != slot_mapping.shape[0] or value.shape[0] != slot_mapping.shape[0]
+        or key.stride(2) != 1 or key.stride(1) != key.shape[2] or value.stride(2) != 1 or value.stride(1) != value.shape[2]
+    ):
+        return False
+    size = key.element_size()
+    rc = lib.hfp_store_kv(
+        key.data_ptr(), value.data_ptr(), key.stride(0) * size, value.stride(0) * size,
+        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), slot_mapping.shape[0],
+        key.shape[1] * key.shape[2] * size, k_cache.shape[0] * k_cache.shape[1],
+    )
+    if rc != 0:
+        raise IndexError(f"slot_mapping has a slot past the pool's {k_cache.shape[0] * k_cache.shape[1]} slots")
+    return True

@@ -290,6 +290,56 @@ def describe_choice(dtype: torch.dtype, shape: tuple[int, int] = (1024, 1024)) -
     return f"{label}" + (f" ({'; '.join(parts)})" if parts else "")
 
 
+class PackedGroup:
+    """Sibling linears that read the same input (q/k/v, gate/up) packed as one weight ``[sum(out), in]``.
+
+    One GEMM instead of two or three: at the row counts of a CPU decode step a small GEMM pays a fixed cost per
+    call and reaches a lower FLOP rate than a wider one (default model, fp32, Zen 4: q+k+v at one row 56 us
+    apart against 31 us fused; at 64 rows 364 us against 342 us). :meth:`linear` returns the members' outputs
+    side by side (``split`` them by :attr:`sizes`); a member whose weight or bias changed (optimizer step,
+    ``load_state_dict``, a replaced tensor) makes the group re-pack on its next call.
+    """
+
+    def __init__(self, modules: list[torch.nn.Linear], packer) -> None:
+        self.modules = modules
+        self.sizes = [m.out_features for m in modules]
+        self._packer = packer
+        self._pack()
+
+    def _sources(self) -> list:
+        return [(m.weight, m.weight._version, m.bias, None if m.bias is None else m.bias._version) for m in self.modules]
+
+    def _pack(self) -> None:
+        self.sources = self._sources()
+        with torch.inference_mode(False):  # built during an engine step: a normal tensor, with a version counter
+            self.pack = self._packer(torch.cat([m.weight.detach() for m in self.modules]))
+            if all(m.bias is None for m in self.modules):
+                self.bias = None
+            else:  # a member without bias adds zeros: exact
+                self.bias = torch.cat([
+                    m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in self.modules
+                ])
+
+    def usable(self) -> bool:
+        """Whether the members still fit one pack (same CPU dtype and input width), re-packing if they changed."""
+        current = self._sources()
+        if all(a[0] is b[0] and a[1] == b[1] and a[2] is b[2] and a[3] == b[3] for a, b in zip(current, self.sources)):
+            return True
+        first = self.modules[0].weight
+        if any(m.weight.dtype != first.dtype or m.weight.device.type != "cpu" or m.weight.dim() != 2
+               or m.weight.shape[1] != first.shape[1] for m in self.modules):
+            return False
+        self._pack()
+        return True
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.modules[0].weight.dtype
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, sum(sizes)]
+        return self.pack.linear(x, self.bias)
+
+
 class PackedLinears:
     """Packs every plain fp32/bf16 CPU ``nn.Linear`` of ``model``; engine forwards run through the packs.
 
@@ -307,7 +357,8 @@ class PackedLinears:
             raise ValueError(f"packing kind must be 'auto', 'mkl', 'onednn' or 'upcast', got {kind!r}")
         self._active = active
         self._modules: list[torch.nn.Linear] = []
-        self._packs: dict[int, PackedWeight | OneDnnPackedWeight | UpcastPackedWeight] = {}
+        self._packs: dict[int, PackedWeight | OneDnnPackedWeight | UpcastPackedWeight | None] = {}  # None: pack on use
+        self._groups: dict[tuple, PackedGroup | None] = {}
         self.kinds: dict[torch.dtype, str] = {}  # dtype -> packing kind in use ("torch": not packed)
         nbytes = 0
         for module in model.modules():
@@ -348,7 +399,8 @@ class PackedLinears:
         original = type(module).forward.__get__(module)
         packs = self._packs
         active = self._active
-        packer = _PACKERS[self.kinds[module.weight.dtype]]
+        dtype = module.weight.dtype
+        packer = _PACKERS[self.kinds[dtype]]
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight
@@ -357,16 +409,39 @@ class PackedLinears:
             ):
                 return original(x)
             pack = packs[id(module)]
-            if pack.stale(weight):
-                if weight.dtype != pack.source.dtype or weight.device.type != "cpu":
+            if pack is None or pack.stale(weight):  # not packed yet (a group member), or the weight changed
+                if weight.dtype != dtype or weight.device.type != "cpu":
                     return original(x)
                 pack = packs[id(module)] = packer(weight)
             return pack.linear(x, module.bias)
 
         return forward
 
+    def group(self, parent: torch.nn.Module, names: tuple[str, ...]) -> PackedGroup | None:
+        """The children ``names`` of ``parent`` packed as one weight (built on first request, then kept), or None
+        where they cannot share one: not all packed here, different dtypes or input widths.
+
+        Building it drops the members' own packs (they would only duplicate the memory); a member called on its
+        own later (outside the fused path) packs itself again on that call.
+        """
+        key = (id(parent), names)
+        if key in self._groups:
+            group = self._groups[key]
+            return group if group is not None and group.usable() else None
+        modules = [getattr(parent, n, None) for n in names]
+        group = None
+        if all(isinstance(m, torch.nn.Linear) and id(m) in self._packs for m in modules):
+            w0 = modules[0].weight
+            if all(m.weight.dtype == w0.dtype and m.weight.shape[1] == w0.shape[1] for m in modules):
+                group = PackedGroup(modules, _PACKERS[self.kinds[w0.dtype]])
+                for m in modules:
+                    self._packs[id(m)] = None
+        self._groups[key] = group
+        return group
+
     def remove(self) -> None:
         for module in self._modules:
             module.__dict__.pop("forward", None)
         self._modules.clear()
         self._packs.clear()
+        self._groups.clear()

@@ -76,31 +76,116 @@ static inline float exp_nonpos(float x) {
     return x == -INFINITY ? 0.0f : p * scale.f;
 }
 
-/* 8 floats in one AVX register (two SSE registers without AVX); loads and stores need no alignment. */
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-#define LD(p) (*(const v8*)(p))
-#define ST(p, x) (*(v8*)(p) = (x))
+/* s[t] = exp(s[t] - m) for t < n (s[t] - m <= 0; exp(-inf) = 0), returning their sum: exp_nonpos on a vector
+ * of 16 (AVX-512) or 8 (AVX2) scores at once, the same polynomial and clamping, scalar elsewhere. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline float exp_block(float* s, int n, float m) {
+    __m512 total = _mm512_setzero_ps();
+    for (int t = 0; t < n; t += 16) {
+        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+        const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), _mm512_set1_ps(m));
+        const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+        const __m512 nn = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        const __m512 r = _mm512_add_ps(_mm512_fnmadd_ps(nn, _mm512_set1_ps(0.693359375f), xc),
+                                       _mm512_mul_ps(nn, _mm512_set1_ps(2.12194440e-4f)));
+        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+        p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+        const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(nn), _mm512_set1_epi32(127)), 23);
+        const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ) & k;
+        const __m512 w = _mm512_maskz_mul_ps(finite, p, _mm512_castsi512_ps(e));
+        _mm512_mask_storeu_ps(s + t, k, w);
+        total = _mm512_add_ps(total, w);
+    }
+    return _mm512_reduce_add_ps(total);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+static inline float exp_block(float* s, int n, float m) {
+    __m256 total = _mm256_setzero_ps();
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(m));
+        const __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+        const __m256 nn = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+        const __m256 r = _mm256_add_ps(_mm256_fnmadd_ps(nn, _mm256_set1_ps(0.693359375f), xc),
+                                       _mm256_mul_ps(nn, _mm256_set1_ps(2.12194440e-4f)));
+        __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+        p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(nn), _mm256_set1_epi32(127)), 23);
+        const __m256 finite = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __m256 w = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), finite);
+        _mm256_storeu_ps(s + t, w);
+        total = _mm256_add_ps(total, w);
+    }
+    float buf[8], sum;
+    _mm256_storeu_ps(buf, total);
+    sum = ((buf[0] + buf[4]) + (buf[1] + buf[5])) + ((buf[2] + buf[6]) + (buf[3] + buf[7]));
+    for (; t < n; ++t) {
+        s[t] = exp_nonpos(s[t] - m);
+        sum += s[t];
+    }
+    return sum;
+}
+#else
+static inline float exp_block(float* s, int n, float m) {
+    float sum = 0.0f;
+    for (int t = 0; t < n; ++t) {
+        s[t] = exp_nonpos(s[t] - m);
+        sum += s[t];
+    }
+    return sum;
+}
+#endif
 
-static inline float hsum(v8 a) {
+/* One vector of VW floats: 16 (a zmm register) where the compiler targets AVX-512, else 8 (AVX, or two SSE
+ * registers without it). Loads and stores need no alignment. */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+#define LD(p) (*(const vf*)(p))
+#define ST(p, x) (*(vf*)(p) = (x))
+#define ACC_COLS 64 /* columns of the value accumulator held in registers at once */
+#define NACC (ACC_COLS / VW)
+
+static inline float hsum(vf a) {
+#if VW == 16
+    return _mm512_reduce_add_ps((__m512)a);
+#else
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+#endif
 }
 
 static inline float dot(const float* a, const float* b, int n) {
-    v8 acc = {0};
+    vf acc = {0};
     int d = 0;
-    for (; d + 8 <= n; d += 8) acc += LD(a + d) * LD(b + d);
+    for (; d + VW <= n; d += VW) acc += LD(a + d) * LD(b + d);
     float s = hsum(acc);
     for (; d < n; ++d) s += a[d] * b[d];
     return s;
 }
 
 /* out[j] = q . k[j] for four keys at once: four independent accumulators keep the FMA units busy where one
- * dot product would wait on its own chain, and each 8-float piece of q is loaded once for the four. */
+ * dot product would wait on its own chain, and each vector of q is loaded once for the four. */
 static inline void dot4(const float* q, const float* const* k, int n, float* out) {
-    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int d = 0;
-    for (; d + 8 <= n; d += 8) {
-        const v8 qv = LD(q + d);
+    for (; d + VW <= n; d += VW) {
+        const vf qv = LD(q + d);
         a0 += qv * LD(k[0] + d);
         a1 += qv * LD(k[1] + d);
         a2 += qv * LD(k[2] + d);
@@ -116,24 +201,25 @@ static inline void dot4(const float* q, const float* const* k, int n, float* out
     out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
-/* acc[0:n] += sum_t w[t] * v[t][0:n], 64 columns at a time held in registers across all nt rows of v. */
+/* acc[0:n] += sum_t w[t] * v[t][0:n], ACC_COLS columns at a time held in registers across all nt rows of v. */
 static inline void accumulate(float* acc, const float* w, const float* const* v, int nt, int n) {
     int d = 0;
-    for (; d + 64 <= n; d += 64) {
-        v8 c0 = LD(acc + d), c1 = LD(acc + d + 8), c2 = LD(acc + d + 16), c3 = LD(acc + d + 24);
-        v8 c4 = LD(acc + d + 32), c5 = LD(acc + d + 40), c6 = LD(acc + d + 48), c7 = LD(acc + d + 56);
+    for (; d + ACC_COLS <= n; d += ACC_COLS) {
+        vf c[NACC];
+#pragma GCC unroll 8
+        for (int j = 0; j < NACC; ++j) c[j] = LD(acc + d + j * VW);
         for (int t = 0; t < nt; ++t) {
             if (w[t] == 0.0f) continue;
             const float* p = v[t] + d;
-            const v8 wt = {w[t], w[t], w[t], w[t], w[t], w[t], w[t], w[t]};
-            c0 += wt * LD(p), c1 += wt * LD(p + 8), c2 += wt * LD(p + 16), c3 += wt * LD(p + 24);
-            c4 += wt * LD(p + 32), c5 += wt * LD(p + 40), c6 += wt * LD(p + 48), c7 += wt * LD(p + 56);
+            const vf wt = w[t] - (vf){0}; /* broadcast */
+#pragma GCC unroll 8
+            for (int j = 0; j < NACC; ++j) c[j] += wt * LD(p + j * VW);
         }
-        ST(acc + d, c0), ST(acc + d + 8, c1), ST(acc + d + 16, c2), ST(acc + d + 24, c3);
-        ST(acc + d + 32, c4), ST(acc + d + 40, c5), ST(acc + d + 48, c6), ST(acc + d + 56, c7);
+#pragma GCC unroll 8
+        for (int j = 0; j < NACC; ++j) ST(acc + d + j * VW, c[j]);
     }
-    for (; d + 8 <= n; d += 8) {
-        v8 c = LD(acc + d);
+    for (; d + VW <= n; d += VW) {
+        vf c = LD(acc + d);
         for (int t = 0; t < nt; ++t) c += w[t] * LD(v[t] + d);
         ST(acc + d, c);
     }
@@ -223,6 +309,9 @@ int hfp_paged_attention(
                     const size_t next = (size_t)block_tables[(int64_t)s * bt_stride + jb + 1] * block_bytes;
                     pf_k = (const char*)k_cache + next, pf_v = (const char*)v_cache + next;
                 }
+                /* every key of the block visible to every query of the item (no causal or window mask) */
+                const int all_visible = softcap <= 0.0f && t0 + nt - 1 <= first_pos
+                    && (window <= 0 || t0 > seq_len - 1 - window);
                 size_t pf_off = 0;
                 const size_t pf_step = 64 * (size_t)(block_bytes / 64 / rows + 1);
                 for (int hh = 0; hh < heads_per_item; ++hh) {
@@ -242,7 +331,14 @@ int hfp_paged_attention(
                         for (; t < nt; ++t) srow[t] = dot(q, kp[t], head_dim);
                         const int p = first_pos + (r - r0) / rep; /* the row's query position */
                         float bm = -INFINITY;
-                        for (t = 0; t < nt; ++t) {
+                        if (all_visible) { /* no mask, no softcap: scale and max, vectorized */
+#pragma omp simd reduction(max : bm)
+                            for (t = 0; t < nt; ++t) {
+                                const float x = srow[t] * scale;
+                                srow[t] = x;
+                                bm = x > bm ? x : bm;
+                            }
+                        } else for (t = 0; t < nt; ++t) {
                             const int pos = t0 + t;
                             float x = srow[t] * scale;
                             if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
@@ -258,17 +354,13 @@ int hfp_paged_attention(
                         if (new_m > m[r] && l[r] > 0.0f) {
                             const float corr = exp_nonpos(m[r] - new_m);
                             l[r] *= corr;
-                            for (int d = 0; d < head_dim; ++d) a[d] *= corr;
+                            const vf cv = corr - (vf){0};
+                            int d = 0;
+                            for (; d + VW <= head_dim; d += VW) ST(a + d, LD(a + d) * cv);
+                            for (; d < head_dim; ++d) a[d] *= corr;
                         }
                         m[r] = new_m;
-                        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                        for (t = 0; t < nt; ++t) {
-                            const float w = exp_nonpos(srow[t] - new_m);
-                            srow[t] = w;
-                            sum += w;
-                        }
-                        l[r] += sum;
+                        l[r] += exp_block(srow, nt, new_m);
 
                         // -- accumulate the block's values --
                         accumulate(a, srow, vp, nt, head_dim);
@@ -293,4 +385,21 @@ int hfp_paged_attention(
         free(kp);
     }
     return failed ? -1 : 0;
+}
+
+/* Write one layer's new keys and values into the pool: token i's rows go to slot slots[i] (skipped when
+ * negative, a padding row; -1 and nothing written if one is past the pool). k/v rows are row_bytes long and row_stride bytes apart; the pool's slots are
+ * row_bytes apart (same dtype: a plain copy). One call replaces two index_copy_ calls and their dispatch. */
+int hfp_store_kv(const char* k, const char* v, int64_t k_row_stride, int64_t v_row_stride,
+                 char* k_cache, char* v_cache, const int64_t* slots, int64_t n_tokens, int64_t row_bytes, int64_t n_slots)
+{
+    for (int64_t i = 0; i < n_tokens; ++i)
+        if (slots[i] >= n_slots) return -1; /* nothing written */
+    for (int64_t i = 0; i < n_tokens; ++i) {
+        const int64_t slot = slots[i];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * row_bytes, k + i * k_row_stride, (size_t)row_bytes);
+        memcpy(v_cache + slot * row_bytes, v + i * v_row_stride, (size_t)row_bytes);
+    }
+    return 0;
 }
