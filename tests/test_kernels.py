@@ -163,6 +163,17 @@ def test_bad_shapes_raise_value_error():
         paged_attention(*case.args(), backend="cuda-magic")
 
 
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])  # 64, 128: bf16 dot products in hardware where the CPU has them
+def test_native_kernel_bf16_head_dims(head_dim):
+    case = make_case([5, 17, 40, 33], [1, 1, 4, 1], num_heads=6, num_kv_heads=2, head_dim=head_dim, block_size=16,
+                     dtype=torch.bfloat16)
+    plan = TorchAttentionPlan.build(case.block_tables, case.seq_lens, case.cu_seqlens_q, 16, native_max_q=16)
+    assert plan.native_seq_ids is not None and not plan.groups
+    want = paged_attention_reference(*case.args())
+    got = paged_attention(*case.args(), backend="cpu", plan=plan)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("isa_flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma")],
                          ids=["avx2", "no-avx2"])
 def test_native_kernel_narrower_vector_paths(isa_flags, monkeypatch):
