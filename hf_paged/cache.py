@@ -13,17 +13,26 @@ each batch row a sequence of it) and the tensors have the engine pool's layout,
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache
+from transformers.generation.utils import GenerationMixin
 
 from hf_paged.core.kv_cache_manager import BlockCopies, cdiv
 from hf_paged.core.row_tables import RowTables
 from hf_paged.kv_pool import copy_blocks
 
 logger = logging.getLogger(__name__)
+
+# The keyword ``generate`` and the models take a cache under: transformers 5.24 renamed ``past_key_values`` to
+# ``cache`` (the old name still works there, with a FutureWarning).
+CACHE_KWARG = (
+    "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
+)
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -53,7 +62,8 @@ class _Step:
 class PagedCache(Cache):
     """K/V in blocks of ``block_size`` tokens, one block table per batch row, shared copy-on-write.
 
-    Usable as ``past_key_values`` in stock ``model.generate`` for decoder-only models (greedy, sampling,
+    Usable as the cache of stock ``model.generate`` (``past_key_values=``, or ``cache=`` from transformers 5.24 on:
+    :data:`CACHE_KWARG`) for decoder-only models (greedy, sampling,
     beam search, ``num_return_sequences``). Per-layer K/V shapes, dtype and device are taken from each
     layer's first :meth:`update`, so any attention layout (GQA, MLA-style value dims, ``device_map``) works.
     Sliding-window models keep their full cache; HF's mask applies the window.
@@ -68,7 +78,7 @@ class PagedCache(Cache):
 
     Example:
         >>> cache = hf_paged.PagedCache(model, block_size=16)
-        >>> out = model.generate(input_ids, past_key_values=cache, num_beams=4, max_new_tokens=32)
+        >>> out = model.generate(input_ids, **{hf_paged.cache.CACHE_KWARG: cache}, num_beams=4, max_new_tokens=32)
         >>> cache.check_consistency()
     """
 
@@ -98,6 +108,8 @@ class PagedCache(Cache):
             _check_int("max_tokens", max_tokens, 1)
             num_blocks = cdiv(max_tokens, block_size)
         super().__init__(layers=[])
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self._num_layers = max(1, int(getattr(text_config, "num_hidden_layers", 1) or 1))
         self.block_size = block_size
         self.tables = RowTables(block_size, num_blocks)
         # layer_idx -> (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim] like the engine's
@@ -170,6 +182,13 @@ class PagedCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """No layer holds a linear-attention (recurrent) state. transformers 5.24 asks this before slicing a
+        continued prompt down to its uncached tail, and the base class answers from ``layers``, which is empty
+        here: all([]) would read as "only linear layers" and the whole prompt would be run again."""
+        return [False] * self._num_layers
 
     @property
     def is_croppable(self) -> bool:

@@ -10,7 +10,7 @@ import hf_paged
 from hf_paged.bench.cache_memory import dynamic_cache_kv_bytes, measure_beam_memory
 from hf_paged.core.block_pool import BlockPool
 from hf_paged.core.kv_cache_manager import OutOfBlocksError
-from hf_paged.cache import PagedCache
+from hf_paged.cache import CACHE_KWARG, PagedCache
 from tests.helpers import make_model, make_prompts
 
 KVH, D = 2, 4
@@ -29,7 +29,7 @@ def _generate(model, prompts, cache=None, seed=None, **kw):
     if seed is not None:
         torch.manual_seed(seed)
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, past_key_values=cache, pad_token_id=0, **kw)
+        return model.generate(ids, attention_mask=mask, **{CACHE_KWARG: cache}, pad_token_id=0, **kw)
 
 
 def _kv(rows: int, q: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from hf_paged.cache import PagedCache
+from hf_paged.cache import CACHE_KWARG, PagedCache
 
 
 @dataclass
@@ -66,9 +66,9 @@ def measure_beam_memory(
     with torch.inference_mode():
         model.generate(input_ids[:, :8], **{**kw, "attention_mask": None, "max_new_tokens": 2, "min_new_tokens": 2})
         t0 = time.perf_counter()
-        ref = model.generate(input_ids, past_key_values=dynamic, **kw)
+        ref = model.generate(input_ids, **{CACHE_KWARG: dynamic}, **kw)
         t1 = time.perf_counter()
-        out = model.generate(input_ids, past_key_values=paged, **kw)
+        out = model.generate(input_ids, **{CACHE_KWARG: paged}, **kw)
         t2 = time.perf_counter()
     paged.check_consistency()
     return CacheMemory(

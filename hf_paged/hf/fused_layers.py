@@ -118,19 +118,17 @@ def _fused_forward(layer: torch.nn.Module, model_ref):
     else:
         window = lambda: getattr(attn, "sliding_window", None)  # noqa: E731
 
-    def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, **kwargs):
+    def forward(hidden_states, *args, **kwargs):  # transformers calls layers by keyword; pass on what it gives
         meta = kwargs.get(attention.METADATA_KWARG)
+        position_embeddings = kwargs.get("position_embeddings")
         if (
-            not isinstance(meta, attention.AttentionMetadata) or not meta.fused or meta.static
+            args or not isinstance(meta, attention.AttentionMetadata) or not meta.fused or meta.static
             or position_embeddings is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
             or hidden_states.device.type != "cpu" or hidden_states.dtype != ln1.weight.dtype
             or (torch.is_grad_enabled() and hidden_states.requires_grad)
             or position_embeddings[0].shape[-1] != head_dim or position_embeddings[0].dtype != hidden_states.dtype
         ):
-            return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, use_cache=use_cache,
-                            position_embeddings=position_embeddings, **kwargs)
+            return original(hidden_states, *args, **kwargs)
         x = hidden_states[0]
         tokens = x.shape[0]
         h, _ = fused_ops.rms_norm(x, ln1.weight, ln1.variance_epsilon)

@@ -162,16 +162,19 @@ def _unsupported_fields(model, gen_cfg: GenerationConfig) -> list[str]:
 def _fallback(model, reasons: list[str], stock_args: dict, gen_cfg: GenerationConfig):
     key = ",".join(sorted(reasons))
     beams = (gen_cfg.num_beams or 1) > 1
-    use_cache = beams and stock_args.get("past_key_values") is None and gen_cfg.use_cache is not False
+    given = stock_args.get("cache", stock_args.get("past_key_values"))
+    use_cache = beams and given is None and gen_cfg.use_cache is not False
     _warn_once(
         key,
         f"hf_paged: {', '.join(reasons)} not supported by the paged engine; running stock generate"
         + (" with a PagedCache" if use_cache else "") + " instead.",
     )
     if use_cache:
-        from hf_paged.cache import PagedCache
+        from hf_paged.cache import CACHE_KWARG, PagedCache
 
-        stock_args["past_key_values"] = PagedCache(model)
+        for name in ("cache", "past_key_values"):
+            stock_args.pop(name, None)
+        stock_args[CACHE_KWARG] = PagedCache(model)
     return GenerationMixin.generate(model, **stock_args)
 
 
