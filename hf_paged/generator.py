@@ -261,8 +261,12 @@ class PagedGenerator:
 
     def _drop_stale_prefix_cache(self) -> None:
         """Cached KV was computed with the weights of its time: forget it when a weight changed (a training
-        step, ``load_state_dict``), or a prefix hit would serve the old model's KV."""
-        if not self.kv_manager.enable_prefix_caching and self.runner.decode is None:
+        step, ``load_state_dict``), or a prefix hit would serve the old model's KV.
+
+        Only a step that can admit a waiting request looks the prefix cache up, so without decode graphs the
+        check (a walk over every parameter, ~0.5 ms on the default model) runs only when requests wait.
+        """
+        if self.runner.decode is None and (not self.kv_manager.enable_prefix_caching or not self.scheduler.waiting):
             return
         version = self._weights_version()
         if version != self._weights_seen:

@@ -134,7 +134,7 @@ def _fused_forward(layer: torch.nn.Module, model_ref):
         h, _ = fused_ops.rms_norm(x, ln1.weight, ln1.variance_epsilon)
         qkv = _group(model_ref, attn, QKV, h)
         if qkv is not None:  # one GEMM, q/k/v as column views of its output
-            q, k, v = qkv.linear(h).split(qkv.sizes, dim=-1)
+            q, k, v = qkv.linear(h).split_with_sizes(qkv.sizes, dim=-1)
         else:
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
         cos, sin = position_embeddings
@@ -147,7 +147,7 @@ def _fused_forward(layer: torch.nn.Module, model_ref):
         h, residual = fused_ops.rms_norm(o, ln2.weight, ln2.variance_epsilon, residual=x)
         gate_up = _group(model_ref, mlp, GATE_UP, h)
         if gate_up is not None:
-            gate, up = gate_up.linear(h).split(gate_up.sizes, dim=-1)
+            gate, up = gate_up.linear(h).split_with_sizes(gate_up.sizes, dim=-1)
             m = mlp.down_proj(torch.mul(torch.nn.functional.silu(gate, inplace=True), up))
         else:
             m = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h), inplace=True).mul_(mlp.up_proj(h)))

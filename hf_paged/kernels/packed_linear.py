@@ -302,6 +302,7 @@ class PackedGroup:
 
     def __init__(self, modules: list[torch.nn.Linear], packer) -> None:
         self.modules = modules
+        self._params = [m._parameters for m in modules]  # nn.Linear keeps weight and bias here
         self.sizes = [m.out_features for m in modules]
         self._packer = packer
         self._pack()
@@ -322,8 +323,12 @@ class PackedGroup:
 
     def usable(self) -> bool:
         """Whether the members still fit one pack (same CPU dtype and input width), re-packing if they changed."""
-        current = self._sources()
-        if all(a[0] is b[0] and a[1] == b[1] and a[2] is b[2] and a[3] == b[3] for a, b in zip(current, self.sources)):
+        for params, (w, wv, b, bv) in zip(self._params, self.sources):  # every call: plain dict reads
+            if params["weight"] is not w or w._version != wv or params.get("bias") is not b or (
+                b is not None and b._version != bv
+            ):
+                break
+        else:
             return True
         first = self.modules[0].weight
         if any(m.weight.dtype != first.dtype or m.weight.device.type != "cpu" or m.weight.dim() != 2
