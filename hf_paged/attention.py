@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_paged import kernels
-from hf_paged.kernels import cpu_attention
 
 ATTN_IMPLEMENTATION = "hf_paged"
 METADATA_KWARG = "paged_metadata"
@@ -156,9 +155,9 @@ def attend(
             meta.max_seqlen_q, meta.max_seqlen_k, scale, sliding_window, softcap,
         )
     else:
-        if meta.backend == "cpu" and cpu_attention.store_kv_native(k, v, k_cache, v_cache, meta.slot_mapping):
-            pass
-        elif meta.backend in ("torch", "cpu"):
+        if meta.backend == "cpu":
+            kernels.store_kv_cpu(k, v, k_cache, v_cache, meta.slot_mapping, has_padding=meta.has_padding)
+        elif meta.backend == "torch":
             kernels.store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping, has_padding=meta.has_padding)
         else:
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)

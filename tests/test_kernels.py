@@ -105,8 +105,9 @@ def test_native_and_sdpa_groups_share_one_step():
     torch.testing.assert_close(paged_attention(*case.args(), backend="cpu", plan=plan), want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)  # "cpu": the native row copy
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_store_kv_matches_reference_and_skips_padding(block_size):
+def test_store_kv_matches_reference_and_skips_padding(block_size, backend):
     g = torch.Generator().manual_seed(0)
     num_blocks, kvh, d = 8, 2, 8
     k_cache = torch.randn(num_blocks, block_size, kvh, d, generator=g)
@@ -117,7 +118,7 @@ def test_store_kv_matches_reference_and_skips_padding(block_size):
     slots[2] = -1
     slots[5] = -1
     key, value = torch.randn(n, kvh, d, generator=g), torch.randn(n, kvh, d, generator=g)
-    store_kv(key, value, k_cache, v_cache, slots, backend="torch")
+    store_kv(key, value, k_cache, v_cache, slots, backend=backend)
     store_kv_reference(key, value, k_ref, v_ref, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 

@@ -98,10 +98,20 @@ def store_kv(
         )
     if slot_mapping.shape != key.shape[:1]:
         raise ValueError(f"expected slot_mapping of shape [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
-    if resolve_backend(backend, key.device, k_cache.dtype) == "triton":
+    resolved = resolve_backend(backend, key.device, k_cache.dtype)
+    if resolved == "triton":
         _triton_ops().store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif resolved == "cpu":
+        store_kv_cpu(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+
+
+def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, has_padding: bool | None = None) -> None:
+    """The "cpu" backend's store (unchecked, for the engine's hot path): one native call where it applies
+    (same dtype, int64 slots, contiguous rows), else the torch path."""
+    if not cpu_attention.store_kv_native(key, value, k_cache, v_cache, slot_mapping):
+        store_kv_torch(key, value, k_cache, v_cache, slot_mapping, has_padding=has_padding)
 
 
 def paged_attention(

@@ -8,8 +8,9 @@
  * masked vector exp with AVX-512, 8-float vectors and an AVX2 exp without it, scalar exp elsewhere; bf16
  * scores straight from the bf16 rows (VDPBF16PS) with AVX-512 BF16. Per (row, block), keys visible to every
  * query of the item skip the mask; measured on a Zen 4 host (64 sequences x ~90 keys, 9 query / 3 KV heads,
- * one layer with its blocks in cache): fp32 0.29 -> 0.22 ms, bf16 0.36 -> 0.23 ms. Linked against libgomp.so.1, so in a torch process it shares
- * torch's OpenMP runtime (same soname) instead of starting a second thread pool.
+ * one layer with its blocks in cache): fp32 0.29 -> 0.22 ms, bf16 0.36 -> 0.23 ms. Linked against
+ * libgomp.so.1, so in a torch process it shares torch's OpenMP runtime (same soname) instead of starting a
+ * second thread pool.
  *
  * Layouts (element strides where noted):
  *   query      [num_tokens, num_heads, head_dim]        strides q_stride_t, q_stride_h, 1
@@ -80,10 +81,34 @@ static inline float exp_nonpos(float x) {
     return x == -INFINITY ? 0.0f : p * scale.f;
 }
 
-/* s[t] = exp(s[t] - m) for t < n (s[t] - m <= 0; exp(-inf) = 0), returning their sum: exp_nonpos on a vector
- * of 16 (AVX-512) or 8 (AVX2) scores at once, the same polynomial and clamping, scalar elsewhere. */
+/* One vector of VW floats: 16 (a zmm register) where the compiler targets AVX-512, else 8 (AVX, or two SSE
+ * registers without it). Loads and stores need no alignment. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+#define LD(p) (*(const vf*)(p))
+#define ST(p, x) (*(vf*)(p) = (x))
+#define ACC_COLS 64 /* columns of the value accumulator held in registers at once */
+#define NACC (ACC_COLS / VW)
+
+/* exp_nonpos's range reduction and polynomial on a vector: xc clamped, nn = floor(xc * log2(e) + 1/2) */
+static inline vf exp_poly(vf xc, vf nn) {
+    const vf r = (xc - nn * 0.693359375f) + nn * 2.12194440e-4f;
+    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    return p * r * r + r + 1.0f;
+}
+
+/* s[t] = exp(s[t] - m) for t < n (s[t] - m <= 0; exp(-inf) = 0), returning their sum: exp_nonpos on a vector
+ * of 16 (AVX-512) or 8 (AVX2) scores at once (exp_poly), the same clamping, scalar elsewhere. */
+#if defined(__AVX512F__)
 static inline float exp_block(float* s, int n, float m) {
     __m512 total = _mm512_setzero_ps();
     for (int t = 0; t < n; t += 16) {
@@ -92,15 +117,7 @@ static inline float exp_block(float* s, int n, float m) {
         const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
         const __m512 nn = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
                                                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        const __m512 r = _mm512_add_ps(_mm512_fnmadd_ps(nn, _mm512_set1_ps(0.693359375f), xc),
-                                       _mm512_mul_ps(nn, _mm512_set1_ps(2.12194440e-4f)));
-        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-        p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+        const __m512 p = (__m512)exp_poly((vf)xc, (vf)nn);
         const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(nn), _mm512_set1_epi32(127)), 23);
         const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ) & k;
         const __m512 w = _mm512_maskz_mul_ps(finite, p, _mm512_castsi512_ps(e));
@@ -118,15 +135,7 @@ static inline float exp_block(float* s, int n, float m) {
         const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(m));
         const __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
         const __m256 nn = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-        const __m256 r = _mm256_add_ps(_mm256_fnmadd_ps(nn, _mm256_set1_ps(0.693359375f), xc),
-                                       _mm256_mul_ps(nn, _mm256_set1_ps(2.12194440e-4f)));
-        __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-        p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+        const __m256 p = (__m256)exp_poly((vf)xc, (vf)nn);
         const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(nn), _mm256_set1_epi32(127)), 23);
         const __m256 finite = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
         const __m256 w = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), finite);
@@ -152,19 +161,6 @@ static inline float exp_block(float* s, int n, float m) {
     return sum;
 }
 #endif
-
-/* One vector of VW floats: 16 (a zmm register) where the compiler targets AVX-512, else 8 (AVX, or two SSE
- * registers without it). Loads and stores need no alignment. */
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
-#define LD(p) (*(const vf*)(p))
-#define ST(p, x) (*(vf*)(p) = (x))
-#define ACC_COLS 64 /* columns of the value accumulator held in registers at once */
-#define NACC (ACC_COLS / VW)
 
 static inline float hsum(vf a) {
 #if VW == 16
@@ -433,8 +429,9 @@ int hfp_paged_attention(
 }
 
 /* Write one layer's new keys and values into the pool: token i's rows go to slot slots[i] (skipped when
- * negative, a padding row; -1 and nothing written if one is past the pool). k/v rows are row_bytes long and row_stride bytes apart; the pool's slots are
- * row_bytes apart (same dtype: a plain copy). One call replaces two index_copy_ calls and their dispatch. */
+ * negative, a padding row; -1 and nothing written if one is past the pool). k/v rows are row_bytes long and
+ * row_stride bytes apart; the pool's slots are row_bytes apart (same dtype: a plain copy). One call replaces
+ * two index_copy_ calls and their dispatch. */
 int hfp_store_kv(const char* k, const char* v, int64_t k_row_stride, int64_t v_row_stride,
                  char* k_cache, char* v_cache, const int64_t* slots, int64_t n_tokens, int64_t row_bytes, int64_t n_slots)
 {
