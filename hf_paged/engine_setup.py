@@ -12,7 +12,7 @@ import torch
 from hf_paged import attention, model_patches
 from hf_paged.config import EngineConfig
 from hf_paged.kernels import fused_ops, packed_linear
-from hf_paged.kernels.packed_linear import PackedLinears
+from hf_paged.kernels.packed_model import PackedLinears
 from hf_paged.kv_pool import KVPool, decide_num_blocks, probe_kv_layout
 
 logger = logging.getLogger(__name__)

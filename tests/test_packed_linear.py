@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from hf_paged.attention import engine_forward, engine_forward_active
 from hf_paged.kernels import packed_linear
-from hf_paged.kernels.packed_linear import OneDnnPackedWeight, PackedLinears, PackedWeight, UpcastPackedWeight
+from hf_paged.kernels.packed_linear import OneDnnPackedWeight, PackedWeight, UpcastPackedWeight
+from hf_paged.kernels.packed_model import PackedLinears
 
 needs_mkl = pytest.mark.skipif(not packed_linear.available("mkl"), reason="torch without MKL's packed sgemm")
 needs_onednn = pytest.mark.skipif(not packed_linear.available("onednn"), reason="torch without oneDNN")
@@ -89,7 +90,7 @@ def test_packs_route_engine_forwards_only_and_follow_weight_changes(kind):
     packs = PackedLinears(model, engine_forward_active, kind)
     assert len(packs) == 2 and packs.packed_kinds == {torch.float32: kind}
     calls = []
-    cls = packed_linear._PACKERS[kind]
+    cls = packed_linear.PACKERS[kind]
     original = cls.linear
     cls.linear = lambda self, t, b: calls.append(1) or original(self, t, b)
     try:
