@@ -47,7 +47,7 @@ class EngineConfig:
         prepack_weights: Pack ``nn.Linear`` weights once (CPU): faster engine matmuls for about the weights'
             size in extra memory. None: per dtype, the fastest of plain ``F.linear`` and the packings that
             pass their probe on this CPU (timed once at start); True: the fastest packing (error if none
-            works); False: off; "mkl", "onednn" or "upcast": that packing (error if it packs nothing here).
+            works); False: off; "mkl", "onednn", "native" or "upcast": that packing (error if it packs nothing here).
         fuse_layers: Fused CPU forward for Llama, Mistral and Qwen2 decoder layers (RMSNorm, rotary, SiLU-mul
             and residual adds in C, attention without transposes; same math, rounded like transformers').
             None: on for CPU models where it applies and its kernels build and pass their probe; True: on
@@ -119,9 +119,9 @@ class EngineConfig:
                 "with it (leave it None)"
             )
         pw = self.prepack_weights
-        if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in ("mkl", "onednn", "upcast"))):
+        if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in ("mkl", "onednn", "native", "upcast"))):
             raise ValueError(
-                f"prepack_weights must be None, True, False, 'mkl', 'onednn' or 'upcast', got {self.prepack_weights!r}"
+                f"prepack_weights must be None, True, False, 'mkl', 'onednn', 'native' or 'upcast', got {self.prepack_weights!r}"
             )
 
     @classmethod

@@ -1,4 +1,7 @@
-"""Pre-packed linear layers (MKL fp32, oneDNN fp32/bf16): F.linear's results, used only inside engine forwards."""
+"""Pre-packed linear layers (MKL fp32, oneDNN fp32/bf16, our native fp32 GEMM): F.linear's results, used only
+inside engine forwards."""
+
+import platform
 
 import pytest
 import torch
@@ -6,11 +9,78 @@ import torch.nn.functional as F
 
 from hf_paged.attention import engine_forward, engine_forward_active
 from hf_paged.kernels import packed_linear
-from hf_paged.kernels.packed_linear import OneDnnPackedWeight, PackedWeight, UpcastPackedWeight
+from hf_paged.kernels.native import NativeLibrary
+from hf_paged.kernels.packed_linear import NativePackedWeight, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight
 from hf_paged.kernels.packed_model import PackedLinears
 
 needs_mkl = pytest.mark.skipif(not packed_linear.available("mkl"), reason="torch without MKL's packed sgemm")
 needs_onednn = pytest.mark.skipif(not packed_linear.available("onednn"), reason="torch without oneDNN")
+needs_native = pytest.mark.skipif(not packed_linear.available("native"), reason="native GEMM not built here")
+
+
+def _native_case(rows, out_features, in_features, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    return w, b, x
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 5, 7, 64, 97, 300])
+@pytest.mark.parametrize("shape", [(96, 80), (97, 600), (3, 5)], ids=["even", "ragged", "tiny"])
+def test_native_packed_linear_matches_linear(rows, shape):
+    """Every row-block tail (rows % 6), a last panel narrower than the vector width, K past one K-block (600),
+    more rows than one block (97, 300: prefill's row blocks), with and without bias, 3-d and strided inputs."""
+    w, b, x = _native_case(rows, *shape, seed=rows)
+    pack = NativePackedWeight(w)
+    want = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(pack.linear(x, b).double(), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(pack.linear(x, None), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    assert pack.linear(x.view(1, rows, -1), b).shape == (1, rows, shape[0])
+    wide = torch.cat([x, torch.randn_like(x)], dim=1)[:, : shape[1]]  # rows further apart than K
+    assert wide.stride(0) == 2 * shape[1]
+    assert torch.equal(pack.linear(wide, b), pack.linear(x, b))
+    assert pack.linear(x[:0], b).shape == (0, shape[0])
+
+
+@needs_native
+def test_native_packed_linear_rows_do_not_depend_on_the_batch():
+    """A row's output is bitwise the same alone, in a decode-sized batch and in a prefill-sized one."""
+    w, b, x = _native_case(300, 200, 300, seed=7)
+    pack = NativePackedWeight(w)
+    full = pack.linear(x, b)
+    for lo, hi in ((0, 1), (5, 11), (0, 64), (250, 300)):
+        assert torch.equal(pack.linear(x[lo:hi], b), full[lo:hi]), (lo, hi)
+
+
+@needs_native
+def test_native_packed_linear_follows_weight_changes_and_empty_inputs():
+    w, b, x = _native_case(4, 16, 8, seed=1)
+    pack = NativePackedWeight(w)
+    assert not pack.stale(w)
+    w.mul_(2)
+    assert pack.stale(w)
+    empty = NativePackedWeight(torch.empty(5, 0))
+    assert torch.equal(empty.linear(torch.empty(3, 0), torch.arange(5.0)), torch.arange(5.0).expand(3, 5))
+
+
+@pytest.mark.parametrize(("isa_flags", "panel"), [
+    (("-mno-avx512f",), 16), (("-mno-avx512f", "-mno-avx2", "-mno-fma"), 16), (("-mno-avx512f", "-mno-avx"), 8),
+], ids=["avx2", "avx-no-fma", "sse"])
+def test_native_gemm_narrower_vector_paths(isa_flags, panel, monkeypatch):
+    """The GEMM's panel width follows the ISA it is built for (32 columns with AVX-512, 16 with AVX, 8 with
+    SSE): build the narrower ones too, so an AVX-512 host also checks what AVX2-only CPUs run."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX") or platform.machine() != "x86_64":
+        pytest.skip("x86 ISA flags")
+    lib = NativeLibrary("gemm_cpu.c", packed_linear.NATIVE_GEMM.functions, extra_flags=isa_flags)
+    assert lib.load() is not None, lib.why
+    assert lib.load().hfp_gemm_nr() == panel
+    monkeypatch.setattr(packed_linear, "NATIVE_GEMM", lib)
+    for rows, shape in ((1, (97, 600)), (13, (40, 70)), (130, (33, 20))):
+        w, b, x = _native_case(rows, *shape, seed=rows)
+        got = NativePackedWeight(w).linear(x, b)
+        torch.testing.assert_close(got.double(), F.linear(x.double(), w.double(), b.double()), atol=1e-4, rtol=1e-5)
 
 
 @needs_mkl
@@ -70,7 +140,7 @@ def test_auto_kind_picks_a_working_packing_or_plain_linear_per_dtype():
     for dtype in (torch.float32, torch.bfloat16):
         kind = packs.kinds[dtype]
         assert kind == "torch" or packed_linear.available(kind, dtype), (dtype, kind)
-    with pytest.raises(ValueError, match="'mkl', 'onednn' or 'upcast'"):
+    with pytest.raises(ValueError, match="'mkl', 'onednn', 'native' or 'upcast'"):
         PackedLinears(model, engine_forward_active, kind="blas")
     packs.remove()
     if packed_linear.available("any", torch.float32):
@@ -79,7 +149,7 @@ def test_auto_kind_picks_a_working_packing_or_plain_linear_per_dtype():
         packs.remove()
 
 
-@pytest.mark.parametrize("kind", ["mkl", "onednn"])
+@pytest.mark.parametrize("kind", ["mkl", "onednn", "native"])
 def test_packs_route_engine_forwards_only_and_follow_weight_changes(kind):
     if not packed_linear.available(kind):
         pytest.skip(f"torch without {kind} packing")
@@ -124,11 +194,11 @@ def test_prepack_weights_config_is_validated():
     for bad in ("yes", 1, 0.5, "MKL"):
         with pytest.raises(ValueError, match="prepack_weights"):
             EngineConfig(prepack_weights=bad)
-    for good in (None, True, False, "mkl", "onednn", "upcast"):
+    for good in (None, True, False, "mkl", "onednn", "native", "upcast"):
         assert EngineConfig(prepack_weights=good).prepack_weights == good
 
 
-@pytest.mark.parametrize("kind", ["mkl", "onednn"])
+@pytest.mark.parametrize("kind", ["mkl", "onednn", "native"])
 def test_engine_with_each_packing_keeps_greedy_parity(kind):
     if not packed_linear.available(kind):
         pytest.skip(f"torch without {kind} packing")

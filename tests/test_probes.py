@@ -61,11 +61,12 @@ def test_onednn_op_that_raises_is_skipped_and_parity_holds(monkeypatch):
 
 
 def test_packing_with_wrong_results_is_skipped_and_parity_holds(monkeypatch):
-    for cls in (packed_linear.OneDnnPackedWeight, packed_linear.PackedWeight):
+    for cls in (packed_linear.OneDnnPackedWeight, packed_linear.PackedWeight, packed_linear.NativePackedWeight):
         original = cls.linear
         monkeypatch.setattr(cls, "linear", lambda self, x, b, _o=original: _o(self, x, b) * 1.01)
     assert not packed_linear.available("onednn", torch.float32)
     assert not packed_linear.available("mkl", torch.float32)
+    assert not packed_linear.available("native", torch.float32)
     assert "differs from plain torch" in packed_linear.unavailable_reason("mkl", torch.float32)
     engine = _parity()
     assert engine.packed is None  # nothing left to pack with: plain F.linear

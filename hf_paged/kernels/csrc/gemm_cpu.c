@@ -1,0 +1,132 @@
+/*
+ * fp32 linear layers for CPU engine steps: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), with W packed once.
+ *
+ * W is stored as panels of NR output columns, each panel K-major ([panel][k][NR], zero-padded past N), so a
+ * micro-kernel streams one panel front to back while MR rows of x stay in registers as broadcasts and the
+ * MR x NR outputs accumulate in registers (6 x 2 vectors: 12 of AVX2's 16 registers, or of AVX-512's 32).
+ * Threads split the panels (each reads its share of the weights once; x is shared and small), and a K-block
+ * of one panel (KC x NR floats) stays in L1 while every row block of x passes over it. Batches of more than
+ * MC_MAX rows (prefill) go in blocks of MC rows, so the x rows a panel meets stay in L2.
+ *
+ * Every output is summed over k in order 0..K-1, one multiply-add per term (fused where the CPU has FMA),
+ * whatever M is: a row's result does not depend on the other rows of the batch.
+ *
+ * Built and loaded like paged_attention_cpu.c (NATIVE_GEMM in hf_paged/kernels/packed_linear.py), through ctypes.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+#define LD(p) (*(const vf*)(p))
+#define ST(p, v) (*(vf*)(p) = (v))
+
+enum { MR = 6, NRV = 2, NR = NRV * VW, KC = 256, MC = 48, MC_MAX = 96 };
+
+int hfp_gemm_nr(void) { return NR; }
+
+/* W [N, K] (row stride ldw) into panels: out[p * K * NR + k * NR + j] = W[p * NR + j, k], zero past N. */
+void hfp_gemm_pack(const float* w, int64_t ldw, int N, int K, float* out) {
+    const int panels = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+        float* dst = out + (size_t)p * K * NR;
+        for (int j = 0; j < NR; ++j) {
+            const int n = p * NR + j;
+            if (n < N) {
+                const float* src = w + (size_t)n * ldw;
+                for (int k = 0; k < K; ++k) dst[(size_t)k * NR + j] = src[k];
+            } else {
+                for (int k = 0; k < K; ++k) dst[(size_t)k * NR + j] = 0.0f;
+            }
+        }
+    }
+}
+
+/* C[0:mr, 0:NR] (+)= A[0:mr, 0:kc] @ B[0:kc, 0:NR]; mr is a constant after inlining, so the loops unroll. */
+static inline __attribute__((always_inline)) void micro(
+    const int mr, const int kc, const float* a, const int64_t lda, const float* b, float* c, const int64_t ldc,
+    const int first, const float* bias)
+{
+    vf acc[MR][NRV];
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < NRV; ++j)
+            acc[i][j] = first ? (bias ? LD(bias + j * VW) : (vf){0}) : LD(c + i * ldc + j * VW);
+    for (int k = 0; k < kc; ++k) {
+        const vf b0 = LD(b + (size_t)k * NR), b1 = LD(b + (size_t)k * NR + VW);
+        for (int i = 0; i < mr; ++i) {
+            const float ai = a[i * lda + k]; /* scalar * vector: a broadcast load */
+            acc[i][0] += ai * b0;
+            acc[i][1] += ai * b1;
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < NRV; ++j) ST(c + i * ldc + j * VW, acc[i][j]);
+}
+
+static void micro_any(int mr, int kc, const float* a, int64_t lda, const float* b, float* c, int64_t ldc, int first, const float* bias) {
+    switch (mr) {
+    case 6: micro(6, kc, a, lda, b, c, ldc, first, bias); break;
+    case 5: micro(5, kc, a, lda, b, c, ldc, first, bias); break;
+    case 4: micro(4, kc, a, lda, b, c, ldc, first, bias); break;
+    case 3: micro(3, kc, a, lda, b, c, ldc, first, bias); break;
+    case 2: micro(2, kc, a, lda, b, c, ldc, first, bias); break;
+    default: micro(1, kc, a, lda, b, c, ldc, first, bias); break;
+    }
+}
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T + bias (NULL: none), W packed by hfp_gemm_pack. */
+int hfp_gemm(const float* x, int64_t ldx, const float* packed, const float* bias, float* y, int64_t ldy,
+             int M, int N, int K, int num_threads)
+{
+    const int panels = (N + NR - 1) / NR;
+    /* rows per pass over the panels: all of a decode batch; for prefill, blocks whose x rows stay in L2 */
+    const int mc = M <= MC_MAX ? M : MC;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* each thread owns a contiguous range of panels (its share of the weights) for every row block */
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int p_lo = (int)((int64_t)panels * t / nt), p_hi = (int)((int64_t)panels * (t + 1) / nt);
+        float tile[MR * NR] __attribute__((aligned(64)));
+        float bias_tile[NR] __attribute__((aligned(64)));
+        for (int m0 = 0; m0 < M; m0 += mc) {
+            const int m1 = M - m0 < mc ? M : m0 + mc;
+            for (int p = p_lo; p < p_hi; ++p) {
+                const int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
+                const float* bp = NULL;
+                if (bias) {
+                    if (cols == NR) bp = bias + n0;
+                    else {
+                        memset(bias_tile, 0, sizeof bias_tile);
+                        memcpy(bias_tile, bias + n0, cols * sizeof(float));
+                        bp = bias_tile;
+                    }
+                }
+                const float* w = packed + (size_t)p * K * NR;
+                for (int k0 = 0; k0 < K; k0 += KC) {
+                    const int kc = K - k0 < KC ? K - k0 : KC;
+                    for (int i0 = m0; i0 < m1; i0 += MR) {
+                        const int mr = m1 - i0 < MR ? m1 - i0 : MR;
+                        const float* a = x + (size_t)i0 * ldx + k0;
+                        if (cols == NR) {
+                            micro_any(mr, kc, a, ldx, w + (size_t)k0 * NR, y + (size_t)i0 * ldy + n0, ldy, k0 == 0, bp);
+                        } else { /* the last, partial panel: through a full-width tile */
+                            if (k0 > 0)
+                                for (int i = 0; i < mr; ++i) memcpy(tile + i * NR, y + (size_t)(i0 + i) * ldy + n0, cols * sizeof(float));
+                            micro_any(mr, kc, a, ldx, w + (size_t)k0 * NR, tile, NR, k0 == 0, bp);
+                            for (int i = 0; i < mr; ++i) memcpy(y + (size_t)(i0 + i) * ldy + n0, tile + i * NR, cols * sizeof(float));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
