@@ -81,6 +81,8 @@ def test_failing_compiler_falls_back_to_torch_attention(monkeypatch):
     engine = _parity()
     assert engine.backend == "torch" and engine.fused is None  # the fused layers' C kernels are off too
     assert "building with false failed" in fused_ops.unavailable_reason(torch.float32)
+    assert "building with false failed" in packed_linear.unavailable_reason("native", torch.float32)
+    assert engine.packed is None or engine.packed.kinds.get(torch.float32) != "native"  # oneDNN/MKL/F.linear instead
     with pytest.raises(RuntimeError, match="fuse_layers=True: RuntimeError: building with false failed"):
         PagedGenerator(make_model("llama", seed=3), num_blocks=16, fuse_layers=True)
     with pytest.raises(RuntimeError, match="attention_backend='cpu' needs its native kernel.*building with false failed"):

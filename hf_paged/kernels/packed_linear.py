@@ -330,8 +330,9 @@ def fastest_kind(
 
 
 def reset() -> None:
-    """Forget timings and probe results of the packings (for tests)."""
+    """Forget timings, probe results and the loaded native GEMM library of the packings (for tests)."""
     global _upcast_inner
+    NATIVE_GEMM.reset()
     _fastest.clear()
     _timings.clear()
     _upcast_inner = None
