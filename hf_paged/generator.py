@@ -1,4 +1,5 @@
-"""``PagedGenerator``: request intake, the step loop, batch generation, streaming and beam search."""
+"""``PagedGenerator``: request intake, the step loop and batch generation (streams, queued outputs and beam
+search: :mod:`hf_paged.generator_outputs`)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from hf_paged import model_patches
-from hf_paged.beam_search import BeamSearch, BeamSearchOutput
+from hf_paged.beam_search import BeamSearch
 from hf_paged.config import EngineConfig
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
@@ -24,18 +25,19 @@ from hf_paged.spec_decode.config import SpeculativeConfig
 from hf_paged.spec_decode.speculator import Speculator, spec_key
 from hf_paged.kernels import resolve_backend
 from hf_paged.output_processor import OutputProcessor, RequestState
-from hf_paged.outputs import DeltaTracker, EngineStats, RequestOutput, delta_output
+from hf_paged.generator_outputs import GeneratorOutputs
+from hf_paged.outputs import EngineStats, RequestOutput
 from hf_paged.request import Request, RequestStatus
 from hf_paged.runner import ModelRunner
 from hf_paged.sampling import Sampler
-from hf_paged.sampling_params import BeamSearchParams, SamplingParams
+from hf_paged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | torch.Tensor
 
 
-class PagedGenerator:
+class PagedGenerator(GeneratorOutputs):
     """A continuous-batching engine over a HuggingFace causal LM, with a paged KV cache.
 
     Args:
@@ -339,123 +341,6 @@ class PagedGenerator:
         for rid in ids:
             self._finished_states.pop(rid, None)
         return results
-
-    def stream(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-        priority: int = 0,
-    ) -> Iterator[RequestOutput]:
-        """Yield a request's output as it grows: each item carries only the new token ids and text.
-
-        While no other thread steps the engine, the loop drives it itself (other queued requests progress
-        too). Every item produced for the request arrives, whoever ran the step. Closing the iterator early
-        aborts the request; an abort from elsewhere ends the stream with a ``finish_reason="abort"`` item.
-        """
-        with self._lock:
-            request, state = self._make_request(prompt, sampling_params, request_id, priority)
-            self._admit(request, state, queue_outputs=True)
-        rid = state.request_id
-        params = request.sampling_params
-        # Text that could still turn out to be the start of a stop string is held back until it cannot.
-        hold = max((len(s) - 1 for s in params.stop or ()), default=0)
-        deltas = [DeltaTracker(self.tokenizer, hold) for _ in range(state.n)]
-        try:
-            while True:
-                item = self._next_output(state)
-                yield delta_output(item, deltas)
-                if item.finished:
-                    return
-        finally:
-            if not state.finished:
-                self.abort(rid)
-
-    def next_output(self, request_id: str) -> RequestOutput:
-        """The next queued output of a request added with ``queue_outputs=True``, stepping the engine while
-        none is queued."""
-        state = self.outputs.state_of(request_id) or self._finished_states.get(request_id)
-        if state is None or state.queue is None:
-            raise ValueError(f"request {request_id!r} is unknown or was not added with queue_outputs=True")
-        return self._next_output(state)
-
-    def poll(self, request_id: str) -> list[RequestOutput]:
-        """Every output queued for a request (added with ``queue_outputs=True``) since the last read."""
-        state = self.outputs.state_of(request_id) or self._finished_states.get(request_id)
-        if state is None or state.queue is None:
-            return []
-        with self.outputs.ready:
-            items = list(state.queue)
-            state.queue.clear()
-        if items and items[-1].finished:
-            self._finished_states.pop(request_id, None)
-        return items
-
-    def _next_output(self, state: RequestState) -> RequestOutput:
-        while True:
-            with self.outputs.ready:
-                if state.queue:
-                    item = state.queue.popleft()
-                    if item.finished:
-                        self._finished_states.pop(state.request_id, None)
-                    return item
-            with self._lock:
-                if not state.queue:
-                    self.step()
-
-    def beam_search(
-        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams | None = None
-    ) -> list[BeamSearchOutput]:
-        """Beam search for each prompt (stock ``generate(num_beams=...)`` semantics), beams sharing blocks.
-
-        All prompts are searched in lockstep inside the engine's continuous batch; other requests keep
-        running beside them.
-        """
-        params = BeamSearchParams() if params is None else params
-        if not isinstance(params, BeamSearchParams):
-            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        prompt_ids = [token_ids(p, self.tokenizer, self.vocab_size)[0] for p in as_prompt_list(prompts)]
-        search = self.start_beam_search(prompt_ids, params)
-        self.run_until(lambda: search.done)
-        search.raise_if_failed()
-        return search.results(params.num_return_sequences, self.tokenizer)
-
-    def start_beam_search(
-        self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: Sequence[int] | None = None,
-        fill_token_id: int | None = None, keep_scores: bool = False,
-    ) -> BeamSearch:
-        """Admit a beam search over token-id prompts; the engine's steps advance it (``search.done``)."""
-        with self._lock:
-            self._check_usable()
-            eos = self.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
-            if fill_token_id is None:
-                fill_token_id = min(eos) if eos else 0
-            for prompt in prompts:
-                if len(prompt) + params.max_tokens > self.max_model_len:
-                    raise ValueError(
-                        f"beam search of {params.max_tokens} tokens after a {len(prompt)}-token prompt exceeds "
-                        f"max_model_len={self.max_model_len}"
-                    )
-            search = BeamSearch(prompts, params, eos, fill_token_id, f"beam{next(self._ids)}", keep_scores)
-            for request in search.prompt_requests:
-                self.scheduler.check_request(request)
-            for request in search.prompt_requests:
-                self.scheduler.add_request(request)
-            self._beam_searches.append(search)
-            return search
-
-    def abort_beam_search(self, search: BeamSearch) -> None:
-        with self._lock:
-            search.abort(self.scheduler)
-            if search in self._beam_searches:
-                self._beam_searches.remove(search)
-
-    def run_until(self, done) -> None:
-        """Step the engine until ``done()`` holds."""
-        while not done():
-            self.step()
-
-    def scores_of(self, request_id: str) -> dict[int, list] | None:
-        """Processed logits rows per sample index of a request added with ``return_scores=True``."""
-        state = self.outputs.state_of(request_id) or self._finished_states.get(request_id)
-        return None if state is None else state.scores
 
     # -- state --------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
