@@ -9,6 +9,8 @@ from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
 from hf_paged.decode_runner import MODES as DECODE_MODES
 from hf_paged.decode_runner import check_buckets, default_buckets
 from hf_paged.kernels import BACKENDS
+from hf_paged.kernels.packed_linear import KIND_NAMES as PACKING_KIND_NAMES
+from hf_paged.kernels.packed_linear import KINDS as PACKING_KINDS
 from hf_paged.spec_decode.config import SpeculativeConfig
 
 
@@ -119,10 +121,8 @@ class EngineConfig:
                 "with it (leave it None)"
             )
         pw = self.prepack_weights
-        if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in ("mkl", "onednn", "native", "upcast"))):
-            raise ValueError(
-                f"prepack_weights must be None, True, False, 'mkl', 'onednn', 'native' or 'upcast', got {self.prepack_weights!r}"
-            )
+        if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in PACKING_KINDS)):
+            raise ValueError(f"prepack_weights must be None, True, False, {PACKING_KIND_NAMES}, got {self.prepack_weights!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

@@ -77,6 +77,7 @@ def _mkl() -> ctypes.CDLL | None:
 
 
 KINDS = ("mkl", "onednn", "native", "upcast")
+KIND_NAMES = ", ".join(map(repr, KINDS[:-1])) + f" or {KINDS[-1]!r}"  # for error messages
 # Packings that can serve each weight dtype, in the order tried when timings tie.
 CANDIDATES = {
     torch.float32: ("onednn", "native", "mkl"),
@@ -116,7 +117,7 @@ def _probe_packing(kind: str, dtype: torch.dtype) -> None:
         raise RuntimeError("this torch build does not export MKL's packed sgemm (cblas_sgemm_pack)")
     if kind == "onednn" and not _onednn_built():
         raise RuntimeError("this torch build has no oneDNN (mkldnn) linear ops")
-    if kind == "native" and _native_gemm() is None:
+    if kind == "native" and NATIVE_GEMM.load() is None:
         raise RuntimeError(f"the native GEMM kernel is not built: {NATIVE_GEMM.why}")
     if kind == "upcast" and not available("any", torch.float32):
         raise RuntimeError("no fp32 packing works here to compute in")
@@ -201,10 +202,6 @@ NATIVE_GEMM = NativeLibrary(
 )
 
 
-def _native_gemm() -> ctypes.CDLL | None:
-    return NATIVE_GEMM.load()
-
-
 class NativePackedWeight:
     """One fp32 weight in the panel layout of ``csrc/gemm_cpu.c`` (our own register-blocked GEMM).
 
@@ -216,7 +213,7 @@ class NativePackedWeight:
 
     def __init__(self, weight: torch.Tensor) -> None:
         assert weight.dtype == torch.float32 and weight.dim() == 2
-        lib = _native_gemm()
+        lib = NATIVE_GEMM.load()
         assert lib is not None, NATIVE_GEMM.why
         self.source = weight
         self.version = weight._version

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from hf_paged.kernels.packed_linear import (
-    CANDIDATES, PACKERS, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight, available, fastest_kind,
+    CANDIDATES, KIND_NAMES, PACKERS, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight, available, fastest_kind,
 )
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class PackedLinears:
 
     def __init__(self, model: torch.nn.Module, active: Callable[[], bool], kind: str = "auto") -> None:
         if kind not in ("auto", "any", *PACKERS):
-            raise ValueError(f"packing kind must be 'auto', 'any', 'mkl', 'onednn', 'native' or 'upcast', got {kind!r}")
+            raise ValueError(f"packing kind must be 'auto', 'any', {KIND_NAMES}, got {kind!r}")
         self._active = active
         self._modules: list[torch.nn.Linear] = []
         self._packs: dict[int, PackedWeight | OneDnnPackedWeight | UpcastPackedWeight | None] = {}  # None: pack on use
