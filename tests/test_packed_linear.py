@@ -30,7 +30,7 @@ def _native_case(rows, out_features, in_features, seed):
 @pytest.mark.parametrize("rows", [1, 5, 7, 64, 97, 300])
 @pytest.mark.parametrize("shape", [(96, 80), (97, 600), (3, 5)], ids=["even", "ragged", "tiny"])
 def test_native_packed_linear_matches_linear(rows, shape):
-    """Every row-block tail (rows % 6), a last panel narrower than the vector width, K past one K-block (600),
+    """Every row-block tail (rows % 6), a last panel narrower than the vector width, K past one K-block (600: three equal blocks of 200),
     more rows than one block (97, 300: prefill's row blocks), with and without bias, 3-d and strided inputs."""
     w, b, x = _native_case(rows, *shape, seed=rows)
     pack = NativePackedWeight(w)

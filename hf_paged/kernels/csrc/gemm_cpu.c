@@ -5,8 +5,14 @@
  * micro-kernel streams one panel front to back while MR rows of x stay in registers as broadcasts and the
  * MR x NR outputs accumulate in registers (6 x 2 vectors: 12 of AVX2's 16 registers, or of AVX-512's 32).
  * Threads split the panels (each reads its share of the weights once; x is shared and small), and a K-block
- * of one panel (KC x NR floats) stays in L1 while every row block of x passes over it. Batches of more than
- * MC_MAX rows (prefill) go in blocks of MC rows, so the x rows a panel meets stay in L2.
+ * of one panel (at most KC x NR floats; K is cut into equal blocks) stays in L1 while every row block of x
+ * passes over it. Batches of more than MC_MAX rows (prefill) go in blocks of MC rows, so the x rows a panel
+ * meets stay in L2.
+ *
+ * The weights come from DRAM once per call, and the hardware prefetchers stop at every 4 KiB page, so while
+ * the row blocks compute on one K-block they fetch the next one (it follows in memory, in the same panel or
+ * the next): row block j of the first T (a power of two) prefetches the j-th T-th of it, one NR-float row
+ * every T k-steps. A single row block (M <= MR, bandwidth-bound) leaves it to the hardware.
  *
  * Every output is summed over k in order 0..K-1, one multiply-add per term (fused where the CPU has FMA),
  * whatever M is: a row's result does not depend on the other rows of the batch.
@@ -27,6 +33,8 @@
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 #define LD(p) (*(const vf*)(p))
 #define ST(p, v) (*(vf*)(p) = (v))
+/* into L2 (prefetcht1): the next K-block would not fit in L1 beside the current one */
+#define PREFETCH(p) __builtin_prefetch((p), 0, 2)
 
 enum { MR = 6, NRV = 2, NR = NRV * VW, KC = 256, MC = 48, MC_MAX = 96 };
 
@@ -50,35 +58,50 @@ void hfp_gemm_pack(const float* w, int64_t ldw, int N, int K, float* out) {
     }
 }
 
-/* C[0:mr, 0:NR] (+)= A[0:mr, 0:kc] @ B[0:kc, 0:NR]; mr is a constant after inlining, so the loops unroll. */
+/* C[0:mr, 0:NR] (+)= A[0:mr, 0:kc] @ B[0:kc, 0:NR]; mr is a constant after inlining, so the loops unroll.
+ * With pf, one NR-float row from pf onwards is prefetched every 2^pf_shift k-steps. */
 static inline __attribute__((always_inline)) void micro(
     const int mr, const int kc, const float* a, const int64_t lda, const float* b, float* c, const int64_t ldc,
-    const int first, const float* bias)
+    const int first, const float* bias, const float* pf, const int pf_shift)
 {
     vf acc[MR][NRV];
     for (int i = 0; i < mr; ++i)
         for (int j = 0; j < NRV; ++j)
             acc[i][j] = first ? (bias ? LD(bias + j * VW) : (vf){0}) : LD(c + i * ldc + j * VW);
-    for (int k = 0; k < kc; ++k) {
-        const vf b0 = LD(b + (size_t)k * NR), b1 = LD(b + (size_t)k * NR + VW);
-        for (int i = 0; i < mr; ++i) {
-            const float ai = a[i * lda + k]; /* scalar * vector: a broadcast load */
-            acc[i][0] += ai * b0;
-            acc[i][1] += ai * b1;
+#define STEP_K(k)                                                                 \
+    do {                                                                          \
+        const vf b0 = LD(b + (size_t)(k) * NR), b1 = LD(b + (size_t)(k) * NR + VW); \
+        for (int i = 0; i < mr; ++i) {                                            \
+            const float ai = a[i * lda + (k)]; /* scalar * vector: a broadcast load */ \
+            acc[i][0] += ai * b0;                                                 \
+            acc[i][1] += ai * b1;                                                 \
+        }                                                                         \
+    } while (0)
+    if (pf == NULL) {
+        for (int k = 0; k < kc; ++k) STEP_K(k);
+    } else {
+        const int step = 1 << pf_shift;
+        for (int k0 = 0; k0 < kc; k0 += step) {
+            const float* row = pf + (size_t)(k0 >> pf_shift) * NR;
+            for (int l = 0; l < NR; l += 16) PREFETCH(row + l); /* 64-byte lines */
+            const int k1 = kc - k0 < step ? kc : k0 + step;
+            for (int k = k0; k < k1; ++k) STEP_K(k);
         }
     }
+#undef STEP_K
     for (int i = 0; i < mr; ++i)
         for (int j = 0; j < NRV; ++j) ST(c + i * ldc + j * VW, acc[i][j]);
 }
 
-static void micro_any(int mr, int kc, const float* a, int64_t lda, const float* b, float* c, int64_t ldc, int first, const float* bias) {
+static void micro_any(int mr, int kc, const float* a, int64_t lda, const float* b, float* c, int64_t ldc, int first,
+                      const float* bias, const float* pf, int pf_shift) {
     switch (mr) {
-    case 6: micro(6, kc, a, lda, b, c, ldc, first, bias); break;
-    case 5: micro(5, kc, a, lda, b, c, ldc, first, bias); break;
-    case 4: micro(4, kc, a, lda, b, c, ldc, first, bias); break;
-    case 3: micro(3, kc, a, lda, b, c, ldc, first, bias); break;
-    case 2: micro(2, kc, a, lda, b, c, ldc, first, bias); break;
-    default: micro(1, kc, a, lda, b, c, ldc, first, bias); break;
+    case 6: micro(6, kc, a, lda, b, c, ldc, first, bias, pf, pf_shift); break;
+    case 5: micro(5, kc, a, lda, b, c, ldc, first, bias, pf, pf_shift); break;
+    case 4: micro(4, kc, a, lda, b, c, ldc, first, bias, pf, pf_shift); break;
+    case 3: micro(3, kc, a, lda, b, c, ldc, first, bias, pf, pf_shift); break;
+    case 2: micro(2, kc, a, lda, b, c, ldc, first, bias, pf, pf_shift); break;
+    default: micro(1, kc, a, lda, b, c, ldc, first, bias, pf, pf_shift); break;
     }
 }
 
@@ -89,6 +112,13 @@ int hfp_gemm(const float* x, int64_t ldx, const float* packed, const float* bias
     const int panels = (N + NR - 1) / NR;
     /* rows per pass over the panels: all of a decode batch; for prefill, blocks whose x rows stay in L2 */
     const int mc = M <= MC_MAX ? M : MC;
+    /* K in equal blocks of at most KC (576 -> 3 x 192 rather than 256 + 256 + 64) */
+    const int k_blocks = (K + KC - 1) / KC, kb = k_blocks > 0 ? (K + k_blocks - 1) / k_blocks : 1;
+    /* row blocks that prefetch the next K-block: the largest power of two <= row blocks per pass */
+    const int row_blocks = (mc + MR - 1) / MR;
+    int pf_shift = 0;
+    while ((2 << pf_shift) <= row_blocks) ++pf_shift;
+    const int pf_blocks = 1 << pf_shift;
 #pragma omp parallel num_threads(num_threads)
     {
         /* each thread owns a contiguous range of panels (its share of the weights) for every row block */
@@ -110,17 +140,21 @@ int hfp_gemm(const float* x, int64_t ldx, const float* packed, const float* bias
                     }
                 }
                 const float* w = packed + (size_t)p * K * NR;
-                for (int k0 = 0; k0 < K; k0 += KC) {
-                    const int kc = K - k0 < KC ? K - k0 : KC;
-                    for (int i0 = m0; i0 < m1; i0 += MR) {
+                for (int k0 = 0; k0 < K; k0 += kb) {
+                    const int kc = K - k0 < kb ? K - k0 : kb;
+                    /* the next K-block (this panel's, else the next panel's first) starts right after this one */
+                    const float* next = w + (size_t)(k0 + kc) * NR;
+                    const int next_rows = K - k0 - kc > 0 ? (K - k0 - kc < kb ? K - k0 - kc : kb) : kb;
+                    for (int i0 = m0, j = 0; i0 < m1; i0 += MR, ++j) {
                         const int mr = m1 - i0 < MR ? m1 - i0 : MR;
                         const float* a = x + (size_t)i0 * ldx + k0;
+                        const float* pf = pf_blocks > 1 && j < pf_blocks ? next + (size_t)j * (next_rows >> pf_shift) * NR : NULL;
                         if (cols == NR) {
-                            micro_any(mr, kc, a, ldx, w + (size_t)k0 * NR, y + (size_t)i0 * ldy + n0, ldy, k0 == 0, bp);
+                            micro_any(mr, kc, a, ldx, w + (size_t)k0 * NR, y + (size_t)i0 * ldy + n0, ldy, k0 == 0, bp, pf, pf_shift);
                         } else { /* the last, partial panel: through a full-width tile */
                             if (k0 > 0)
                                 for (int i = 0; i < mr; ++i) memcpy(tile + i * NR, y + (size_t)(i0 + i) * ldy + n0, cols * sizeof(float));
-                            micro_any(mr, kc, a, ldx, w + (size_t)k0 * NR, tile, NR, k0 == 0, bp);
+                            micro_any(mr, kc, a, ldx, w + (size_t)k0 * NR, tile, NR, k0 == 0, bp, pf, pf_shift);
                             for (int i = 0; i < mr; ++i) memcpy(y + (size_t)(i0 + i) * ldy + n0, tile + i * NR, cols * sizeof(float));
                         }
                     }
