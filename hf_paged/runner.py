@@ -150,6 +150,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: move blocks as scheduled, forward, sample."""
         self.update_states(out)
+        self.pool.commit(out.blocks_high_water)
         self.pool.swap_out(out.swap_out)
         self.pool.swap_in(out.swap_in)
         self.pool.copy_blocks(out.block_copies)

@@ -38,14 +38,19 @@ def test_free_queue_is_a_doubly_linked_list_with_middle_removal():
 
 def test_pool_reuses_recently_freed_blocks_first_and_evicts_cached_ones_last():
     pool = BlockPool(6)
+    assert pool.high_water == 0
     a = pool.get_new_blocks(3)
     assert ids(a) == [0, 1, 2] and [b.ref_cnt for b in a] == [1, 1, 1]
+    assert pool.high_water == 3  # the engine commits the pool's pages up to here before a step
     assert pool.cache_block(a[0], b"h0", [1, 2])
     pool.free_blocks(reversed(a))  # 2, 1 (no hash: to the head), 0 (cached: to the tail)
     assert pool.free_block_ids() == [1, 2, 3, 4, 5, 0]
     assert a[0].block_hash == b"h0" and pool.lookup(b"h0") is a[0]
+    assert ids(pool.get_new_blocks(2)) == [1, 2] and pool.high_water == 3  # reuse does not raise it
+    pool.free_blocks(pool.blocks[2:0:-1])
     b = pool.get_new_blocks(5)
     assert ids(b) == [1, 2, 3, 4, 5] and pool.lookup(b"h0") is a[0]  # the cached block survives
+    assert pool.high_water == 6
     c = pool.get_new_blocks(1)
     assert ids(c) == [0] and c[0].block_hash is None and pool.lookup(b"h0") is None  # evicted last
     assert pool.num_evictions == 1

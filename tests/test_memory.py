@@ -451,3 +451,71 @@ def test_models_with_inference_tensor_weights_work_with_prefix_caching():
         with PagedGenerator(model, num_blocks=64, enable_prefix_caching=caching) as engine:
             outs.append(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0].token_ids)
     assert outs[0] == outs[1]
+
+
+def _resident_pages(t: torch.Tensor) -> list[bool]:
+    """Which whole pages of ``t``'s memory are resident (``mincore``)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    vec = (ctypes.c_ubyte * ((end - start) // page))()
+    assert libc.mincore(start, end - start, vec) == 0, ctypes.get_errno()
+    return [bool(b & 1) for b in vec]
+
+
+def test_pool_commits_its_pages_ahead_of_use_in_chunks_and_keeps_their_contents(monkeypatch):
+    from hf_paged import kv_pool
+    from hf_paged.kv_pool import KVPool, LayerKVSpec
+
+    specs = [LayerKVSpec(2, 64, torch.float32)] * 2  # a block is 8 KiB per tensor, 32 KiB in all
+    monkeypatch.setattr(kv_pool, "COMMIT_CHUNK_BYTES", 4 * 32 * 1024)
+    # 64 MiB per tensor: past any malloc threshold, so the pages come fresh from mmap, none resident yet
+    pool = KVPool(specs, num_blocks=8192, block_size=16, device=torch.device("cpu"))
+    k1 = pool.kv_caches[1][1]
+    if any(_resident_pages(k1[:8])):
+        pytest.skip("the allocator handed out memory that was already resident")
+    pool.kv_caches[0][0][1].fill_(3.0)  # a block already in use
+    pool.commit(2)  # blocks 0-1 handed out: commit a chunk of 4
+    assert pool.committed == 4
+    assert torch.equal(pool.kv_caches[0][0][1], torch.full_like(pool.kv_caches[0][0][1], 3.0))  # contents kept
+    if kv_pool._COMMITTER.ok:  # Linux >= 5.14
+        assert all(_resident_pages(k1[:4])) and not any(_resident_pages(k1[4:8]))
+    pool.commit(3)
+    assert pool.committed == 4  # still inside the chunk: nothing to do
+    pool.commit(10)
+    assert pool.committed == 10  # past the next chunk's end: up to the high-water mark
+    pool.commit(100_000)
+    assert pool.committed == 8192  # never past the pool
+    meta = KVPool(specs, num_blocks=8, block_size=16, device=torch.device("meta"))
+    assert meta.committed == 8  # device memory: nothing to commit
+
+
+def test_engine_commits_the_pool_through_the_high_water_mark_before_each_step(monkeypatch):
+    from hf_paged import kv_pool
+
+    monkeypatch.setattr(kv_pool, "COMMIT_CHUNK_BYTES", 1)  # commit exactly what each step reaches
+    model = make_model("llama")
+    prompts = make_prompts(5, [40, 3, 17, 33, 9], seed=3)
+    with PagedGenerator(model, max_num_seqs=3, block_size=4) as engine:
+        seen = []
+        execute = engine.runner.execute
+
+        def spy(out):
+            seen.append(out.blocks_high_water)
+            assert out.blocks_high_water == engine.kv_manager.pool.high_water
+            for item in out.scheduled:  # every block the step writes is below the mark, hence committed
+                assert max(item.block_ids) < out.blocks_high_water
+            result = execute(out)
+            assert engine.pool.committed == max(seen)
+            return result
+
+        monkeypatch.setattr(engine.runner, "execute", spy)
+        outs = engine.generate(prompts, GREEDY, use_tqdm=False)
+    assert seen == sorted(seen) and seen[-1] > seen[0]
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == stock_greedy(model, prompt, NEW)

@@ -114,6 +114,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue()
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        # 1 + the largest block id ever handed out: the storage of blocks past it has never been written
+        # (never-used blocks leave the free queue in id order, so this is also how many have been used)
+        self.high_water = 0
         if num_blocks:
             self.grow(num_blocks)
 
@@ -169,6 +172,8 @@ class BlockPool:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
+            if block.block_id >= self.high_water:
+                self.high_water = block.block_id + 1
             out.append(block)
         return out
 

@@ -196,6 +196,7 @@ class Scheduler:
                 budget = self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         out.block_copies = self.kv.take_copies()
+        out.blocks_high_water = self.kv.pool.high_water
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -60,6 +60,7 @@ class SchedulerOutput:
     preempted_seq_ids: list[int] = field(default_factory=list)
     swapped_in_seq_ids: list[int] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # since the previous step: forget their state
+    blocks_high_water: int = 0  # every block this step reads or writes has a smaller id (pages to commit first)
 
     @property
     def is_empty(self) -> bool:

@@ -107,6 +107,7 @@ class DraftModelProposer:
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         if self.pool is not None:  # swapped sequences start over (forget); copy-on-write copies apply here too
+            self.pool.commit(out.blocks_high_water)
             copy_blocks(self.kv_caches, out.block_copies)
 
     @torch.inference_mode()
