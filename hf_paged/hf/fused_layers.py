@@ -148,7 +148,8 @@ def _fused_forward(layer: torch.nn.Module, model_ref):
         gate_up = _group(model_ref, mlp, GATE_UP, h)
         if gate_up is not None:
             gate, up = gate_up.linear(h).split_with_sizes(gate_up.sizes, dim=-1)
-            m = mlp.down_proj(torch.mul(torch.nn.functional.silu(gate, inplace=True), up))
+            # in place in the GEMM's output: the same two roundings as mul(silu(gate), up), no new tensor
+            m = mlp.down_proj(torch.nn.functional.silu(gate, inplace=True).mul_(up))
         else:
             m = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h), inplace=True).mul_(mlp.up_proj(h)))
         return torch.add(residual, m).unsqueeze(0)
