@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 import transformers
 
 from hf_paged import PagedGenerator, SamplingParams
 from hf_paged.kernels import fused_ops
+from hf_paged.kernels.native import NativeLibrary
 from tests.helpers import make_model, make_prompts, stock_greedy
 
 
@@ -16,8 +19,28 @@ def test_kernels_build_and_pass_their_probe(dtype):
     assert fused_ops.available(dtype), fused_ops.unavailable_reason(dtype)
 
 
+@pytest.mark.parametrize("isa_flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma")],
+                         ids=["avx2", "no-avx2"])
+def test_kernels_narrower_vector_builds(isa_flags, monkeypatch):
+    """The bf16 loops are vectorized by the compiler for whatever ISA the build targets: build the narrower ones
+    too, so an AVX-512 host also checks what AVX2-only CPUs run (the probe compares against the torch code)."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX") or platform.machine() != "x86_64":
+        pytest.skip("x86 ISA flags")
+    lib = NativeLibrary("fused_cpu.c", fused_ops.LIBRARY.functions, extra_flags=("-ffp-contract=off", *isa_flags))
+    assert lib.load() is not None, lib.why
+    monkeypatch.setattr(fused_ops, "LIBRARY", lib)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        fused_ops._probe(dtype)
+    for dtype in (torch.float32, torch.bfloat16):
+        _assert_rounds_like_torch(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_round_like_the_torch_code(dtype):
+    _assert_rounds_like_torch(dtype)
+
+
+def _assert_rounds_like_torch(dtype):
     g = torch.Generator().manual_seed(3)
     x, res = torch.randn(2, 33, 96, generator=g).to(dtype)
     w = (torch.rand(96, generator=g) + 0.5).to(dtype)
@@ -31,15 +54,16 @@ def test_kernels_round_like_the_torch_code(dtype):
     if dtype == torch.bfloat16:  # the product of two rounded values: equal but for sum-order ties
         assert (out == norm(x + res)).float().mean() > 0.99
     torch.testing.assert_close(out, norm(x + res), rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
-    q, k = torch.randn(33, 4 * 16, generator=g).to(dtype), torch.randn(33, 2 * 16, generator=g).to(dtype)
-    angle = torch.randn(33, 8, generator=g).repeat(1, 2)
-    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
-    want_q, want_k = transformers.models.llama.modeling_llama.apply_rotary_pos_emb(
-        q.view(1, 33, 4, 16).transpose(1, 2), k.view(1, 33, 2, 16).transpose(1, 2), cos[None], sin[None]
-    )
-    fused_ops.rope_(q, k, cos, sin)
-    assert torch.equal(q, want_q.transpose(1, 2).reshape(33, 64))  # same ops, same rounding: bitwise
-    assert torch.equal(k, want_k.transpose(1, 2).reshape(33, 32))
+    for d in (16, 64):  # half a head below and at several vector widths
+        q, k = torch.randn(33, 4 * d, generator=g).to(dtype), torch.randn(33, 2 * d, generator=g).to(dtype)
+        angle = torch.randn(33, d // 2, generator=g).repeat(1, 2)
+        cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+        want_q, want_k = transformers.models.llama.modeling_llama.apply_rotary_pos_emb(
+            q.view(1, 33, 4, d).transpose(1, 2), k.view(1, 33, 2, d).transpose(1, 2), cos[None], sin[None]
+        )
+        fused_ops.rope_(q, k, cos, sin)
+        assert torch.equal(q, want_q.transpose(1, 2).reshape(33, 4 * d))  # same ops, same rounding: bitwise
+        assert torch.equal(k, want_k.transpose(1, 2).reshape(33, 2 * d))
 
 
 def test_kernels_refuse_bad_tensors():

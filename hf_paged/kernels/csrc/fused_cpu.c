@@ -9,6 +9,9 @@
  * multiply-add is fused where torch rounds in between. fp32 results differ from torch's only in the order of
  * the RMSNorm's sum of squares and in the exp of SiLU (~1 ulp).
  *
+ * fp32 and bf16 loops are written for the compiler's vectorizer (bf16 is a 16-bit shift to fp32 and a
+ * branch-free round-to-nearest-even back), so each build gets the host's vector width; fp16 stays scalar.
+ *
  * Built and loaded like paged_attention_cpu.c (hf_paged/kernels/fused_ops.py), called through ctypes.
  * Row strides are in elements; the last dimension of every tensor is contiguous.
  */
@@ -25,12 +28,12 @@ static inline float bf16_to_f32(uint16_t h) {
     return v.f;
 }
 
+/* round to nearest even; NaN stays NaN (quiet). Branch-free so the loops below vectorize. */
 static inline uint16_t f32_to_bf16(float f) {
     union { uint32_t u; float f; } v;
     v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
+    const uint32_t u = v.u, rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
 }
 
 static inline float ld(const void* p, int64_t i, int dt) {
@@ -87,7 +90,22 @@ void hfp_rms_norm(const void* x, int64_t x_stride, const void* add, int64_t add_
         float buf[n]; /* n is a hidden size: a few KiB of stack */
         const float* h = buf;
         const int64_t x0 = (int64_t)r * x_stride, a0 = (int64_t)r * add_stride, s0 = (int64_t)r * sum_stride;
-        if (add != NULL) {
+        if (dt == DT_BF16) {
+            const uint16_t* xb = (const uint16_t*)x + x0;
+            if (add != NULL) {
+                const uint16_t* ab = (const uint16_t*)add + a0;
+                uint16_t* sb = (uint16_t*)sum_out + s0;
+#pragma omp simd
+                for (int i = 0; i < n; ++i) {
+                    const uint16_t r16 = f32_to_bf16(bf16_to_f32(xb[i]) + bf16_to_f32(ab[i]));
+                    sb[i] = r16;
+                    buf[i] = bf16_to_f32(r16);
+                }
+            } else {
+#pragma omp simd
+                for (int i = 0; i < n; ++i) buf[i] = bf16_to_f32(xb[i]);
+            }
+        } else if (add != NULL) {
             for (int i = 0; i < n; ++i) {
                 buf[i] = rnd(ld(x, x0 + i, dt) + ld(add, a0 + i, dt), dt);
                 st(sum_out, s0 + i, dt, buf[i]);
@@ -104,6 +122,11 @@ void hfp_rms_norm(const void* x, int64_t x_stride, const void* add, int64_t add_
             float* o = (float*)out + o0;
 #pragma omp simd
             for (int i = 0; i < n; ++i) o[i] = wf[i] * (h[i] * inv);
+        } else if (dt == DT_BF16) {
+            const uint16_t* wb = (const uint16_t*)w;
+            uint16_t* o = (uint16_t*)out + o0;
+#pragma omp simd
+            for (int i = 0; i < n; ++i) o[i] = f32_to_bf16(bf16_to_f32(wb[i]) * bf16_to_f32(f32_to_bf16(h[i] * inv)));
         } else {
             for (int i = 0; i < n; ++i) st(out, o0 + i, dt, ld(w, i, dt) * rnd(h[i] * inv, dt));
         }
@@ -134,6 +157,20 @@ void hfp_rope(void* q, int64_t q_stride, int nq, void* k, int64_t k_stride, int 
                     const float a = x[i], b = x[i + half];
                     x[i] = a * c[i] + (-b) * s[i];
                     x[i + half] = b * c[i + half] + a * s[i + half];
+                }
+            } else if (dt == DT_BF16) {
+                uint16_t* x = (uint16_t*)base + x0;
+                const uint16_t* c = (const uint16_t*)cos + c0;
+                const uint16_t* s = (const uint16_t*)sin + c0;
+#pragma omp simd
+                for (int i = 0; i < half; ++i) {
+                    const float a = bf16_to_f32(x[i]), b = bf16_to_f32(x[i + half]);
+                    const float lo = bf16_to_f32(f32_to_bf16(a * bf16_to_f32(c[i]))) +
+                                     bf16_to_f32(f32_to_bf16(-b * bf16_to_f32(s[i])));
+                    const float hi = bf16_to_f32(f32_to_bf16(b * bf16_to_f32(c[i + half]))) +
+                                     bf16_to_f32(f32_to_bf16(a * bf16_to_f32(s[i + half])));
+                    x[i] = f32_to_bf16(lo);
+                    x[i + half] = f32_to_bf16(hi);
                 }
             } else {
                 for (int i = 0; i < half; ++i) {
