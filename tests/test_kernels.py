@@ -175,11 +175,12 @@ def test_native_kernel_bf16_head_dims(head_dim):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("isa_flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma")],
-                         ids=["avx2", "no-avx2"])
+@pytest.mark.parametrize("isa_flags", [("-mno-avx512bf16",), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma")],
+                         ids=["avx512-no-bf16", "avx2", "no-avx2"])
 def test_native_kernel_narrower_vector_paths(isa_flags, monkeypatch):
-    """The kernel picks its vector width and exp path from the ISA it is built for (AVX-512, AVX2, scalar):
-    build the narrower ones too, so an AVX-512 host also checks what AVX2-only CPUs run."""
+    """The kernel picks its vector width, exp path and bf16 dot products from the ISA it is built for (AVX-512
+    with or without BF16, AVX2, scalar): build the narrower ones too, so an AVX-512 host also checks what
+    AVX2-only CPUs run."""
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX") or platform.machine() != "x86_64":
         pytest.skip("x86 ISA flags")
     lib = NativeLibrary("paged_attention_cpu.c", cpu_attention.LIBRARY.functions, extra_flags=isa_flags)
@@ -190,3 +191,9 @@ def test_native_kernel_narrower_vector_paths(isa_flags, monkeypatch):
         want = paged_attention_reference(*case.args(), sliding_window=window, softcap=softcap)
         got = paged_attention(*case.args(), sliding_window=window, softcap=softcap, backend="cpu")
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for head_dim in (16, 64, 80):  # bf16: grouped rows on AVX-512 (dot products in hardware where head_dim % 32 == 0)
+        case = make_case([5, 17, 40, 33], [1, 1, 4, 1], num_heads=6, num_kv_heads=2, head_dim=head_dim, block_size=16,
+                         dtype=torch.bfloat16, seed=6)
+        want = paged_attention_reference(*case.args())
+        got = paged_attention(*case.args(), backend="cpu")
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
