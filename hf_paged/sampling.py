@@ -214,7 +214,8 @@ class Sampler:
         if not any(s.needs_processing for s in states):  # plain greedy: one pass gives the check and the tokens
             values, tokens = logits.max(dim=-1)
             _check_finite(values, states)
-            _capture_scores(logits.float(), states, range(len(states)), scores)
+            if scores is not None and any(s.want_scores for s in states):  # the fp32 copy only when kept
+                _capture_scores(logits.float(), states, range(len(states)), scores)
             return tokens.tolist()
         processed, random_rows = self.process(logits, states)
         _capture_scores(processed, states, range(len(states)), scores)
