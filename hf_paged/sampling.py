@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_paged.core.scheduler_output import NewSequenceData
+from hf_paged.kernels import fused_ops
 from hf_paged.sampling_params import SamplingParams
 
 
@@ -212,7 +213,7 @@ class Sampler:
         Rows of states that want HF's ``output_scores`` leave their processed logits in ``scores``.
         """
         if not any(s.needs_processing for s in states):  # plain greedy: one pass gives the check and the tokens
-            values, tokens = logits.max(dim=-1)
+            values, tokens = greedy_max(logits)
             _check_finite(values, states)
             if scores is not None and any(s.want_scores for s in states):  # the fp32 copy only when kept
                 _capture_scores(logits.float(), states, range(len(states)), scores)
@@ -226,6 +227,17 @@ class Sampler:
             noise = self.exponential_noise([states[i] for i in random_rows], processed.shape[-1], logits.device)
             tokens.index_copy_(0, rows, (probs / noise).argmax(dim=-1))
         return tokens.tolist()
+
+
+def greedy_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits.max(dim=-1)``: on CPU fp32/bf16 rows one native pass (first index of each row's maximum, NaN
+    propagated, the same answer; torch's bf16 reduction took ~0.75 ms for 64 x 49152 on a Zen 5 host)."""
+    if (
+        logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.stride(-1) == 1 and fused_ops.argmax_available(logits.dtype)
+    ):
+        return fused_ops.argmax_rows(logits)
+    return logits.max(dim=-1)
 
 
 def uniform_to_exponential_(u: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ def test_kernels_narrower_vector_builds(isa_flags, monkeypatch):
         fused_ops._probe(dtype)
     for dtype in (torch.float32, torch.bfloat16):
         _assert_rounds_like_torch(dtype)
+        fused_ops._probe_argmax(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -71,6 +72,24 @@ def test_kernels_refuse_bad_tensors():
         fused_ops.rms_norm(torch.randn(4, 8).t(), torch.ones(4), 1e-6)
     with pytest.raises(ValueError, match="expected a CPU fp32/bf16/fp16"):
         fused_ops.rms_norm(torch.randn(4, 8, dtype=torch.float64), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="argmax_rows takes fp32 or bf16 rows, got torch.float16"):
+        fused_ops.argmax_rows(torch.randn(4, 8, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torch_max(dtype):
+    """Greedy sampling's row argmax: the same indices and maxima as torch.max, ties to the first index (bf16
+    logits tie often), NaN propagated, vocabularies not a multiple of the vector width."""
+    assert fused_ops.argmax_available(dtype)
+    g = torch.Generator().manual_seed(4)
+    for n in (5, 16, 49152 + 7):
+        x = (torch.randn(9, n, generator=g) * 3).round().to(dtype)  # small integers: many ties
+        x[4, n // 2] = float("nan")
+        x[5] = float("-inf")
+        value, index = fused_ops.argmax_rows(x)
+        want_value, want_index = x.max(dim=-1)
+        assert torch.equal(index, want_index)
+        assert torch.equal(value.nan_to_num(), want_value.float().nan_to_num()) and bool(value[4].isnan())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

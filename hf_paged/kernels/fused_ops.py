@@ -1,7 +1,8 @@
 """Fused elementwise CPU kernels of a Llama-family decoder layer (``csrc/fused_cpu.c``), called through ctypes.
 
 RMSNorm (optionally after the residual add) and rotary embedding of q and k in place, each one C call and
-one pass over the rows where the torch code takes several ops and their Python dispatch. Built by :mod:`hf_paged.kernels.native` with ``-ffp-contract=off`` and rounded op by op like the
+one pass over the rows where the torch code takes several ops and their Python dispatch; and the row argmax of
+greedy sampling (probed on its own, ``sampling.argmax``). Built by :mod:`hf_paged.kernels.native` with ``-ffp-contract=off`` and rounded op by op like the
 torch code they replace; each dtype is probed once against that torch code (:mod:`hf_paged.kernels.probes`)
 and :func:`available` is False where the build or the probe fails. Used by :mod:`hf_paged.hf.fused_layers`.
 """
@@ -16,6 +17,7 @@ from hf_paged.kernels import probes
 from hf_paged.kernels.native import NativeLibrary
 
 PROBE = "layers.fused"
+PROBE_ARGMAX = "sampling.argmax"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 LIBRARY = NativeLibrary(
@@ -23,6 +25,7 @@ LIBRARY = NativeLibrary(
     {
         "hfp_rms_norm": (None, [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i32, _i32, _f32, _i32, _i32]),
         "hfp_rope": (None, [_ptr, _i64, _i32, _ptr, _i64, _i32, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32]),
+        "hfp_argmax_rows": (None, [_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i32]),
     },
     extra_flags=("-ffp-contract=off",),
     what="the fused CPU layer kernels",
@@ -67,6 +70,19 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     )
 
 
+def argmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.max(x, dim=-1)`` of fp32/bf16 ``x [rows, n]``: (maxima as fp32, first indices of them as int64)."""
+    _rows(x, "x")
+    if x.dtype == torch.float16:
+        raise ValueError("argmax_rows takes fp32 or bf16 rows, got torch.float16")
+    rows, n = x.shape
+    index = torch.empty(rows, dtype=torch.long)
+    value = torch.empty(rows, dtype=torch.float32)
+    LIBRARY.load().hfp_argmax_rows(x.data_ptr(), x.stride(0), rows, n, _DTYPES[x.dtype], index.data_ptr(),
+                                   value.data_ptr(), torch.get_num_threads())
+    return value, index
+
+
 def available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the kernels build here and compute ``dtype`` like the torch code they replace (probed once)."""
     return probes.probe(PROBE, dtype).ok
@@ -76,10 +92,16 @@ def unavailable_reason(dtype: torch.dtype = torch.float32) -> str:
     return probes.probe(PROBE, dtype).reason
 
 
+def argmax_available(dtype: torch.dtype) -> bool:
+    """Whether :func:`argmax_rows` builds here and agrees with ``torch.max`` for ``dtype`` (probed once)."""
+    return probes.probe(PROBE_ARGMAX, dtype).ok
+
+
 def reset() -> None:
     """Forget the loaded library and probe results (for tests)."""
     LIBRARY.reset()
     probes.reset(PROBE)
+    probes.reset(PROBE_ARGMAX)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -120,4 +142,26 @@ def _probe(dtype: torch.dtype) -> None:
     probes.check_close(got[:, heads * d :], want_k, "fused rotary (k)")
 
 
+def _probe_argmax(dtype: torch.dtype) -> None:
+    """Ties (the first index wins), a maximum in the tail, NaN rows, an all -inf row, a strided view."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise NotImplementedError(f"the argmax kernel takes torch.float32 and torch.bfloat16, not {dtype}")
+    if LIBRARY.load() is None:
+        raise RuntimeError(LIBRARY.why or "the fused kernels could not be built")
+    g = torch.Generator().manual_seed(1)
+    rows = 130
+    x = torch.randn(rows, 1000 + 13, generator=g).to(dtype)
+    x[:, 7] = x[:, 700] = x[:, 1010] = 9.0
+    x[1, 1012] = 10.0
+    x[2, 500] = x[2, 600] = float("nan")
+    x[5, 1011] = float("nan")
+    x[3] = float("-inf")
+    value, index = argmax_rows(x[:, 1:])
+    want_value, want_index = x[:, 1:].max(dim=-1)
+    if not (torch.equal(index, want_index) and torch.equal(value.isnan(), want_value.isnan())
+            and torch.equal(value.nan_to_num(), want_value.float().nan_to_num())):
+        raise probes.ProbeMismatch("fused argmax: indices or maxima differ from torch.max")
+
+
 probes.register(PROBE, _probe)
+probes.register(PROBE_ARGMAX, _probe_argmax)

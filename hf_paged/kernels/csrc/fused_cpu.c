@@ -1,6 +1,6 @@
 /*
  * Fused elementwise CPU kernels for the decoder layers of Llama-family models: RMSNorm (optionally after the
- * residual add) and rotary embedding of q and k in place. Each replaces several torch ops (and their Python
+ * residual add) and rotary embedding of q and k in place; and greedy sampling's row argmax. Each replaces several torch ops (and their Python
  * dispatch) with one call and one pass over the rows. (SiLU-mul stays in torch: its vectorized exp is
  * faster than what this file's portable C reached.)
  *
@@ -182,5 +182,58 @@ void hfp_rope(void* q, int64_t q_stride, int nq, void* k, int64_t k_stride, int 
                 }
             }
         }
+    }
+}
+
+/*
+ * Greedy decoding's argmax: for each row of x ([rows, n], fp32 or bf16), the first index of its maximum and
+ * the maximum (as fp32), like torch.max(x, dim=-1): ties go to the lowest index; a row holding NaN gives
+ * NaN and its first NaN's index. One pass with a running maximum and its index per vector lane (a lane
+ * moves only on a strictly greater value, so it keeps its first maximum), then the lanes are merged.
+ */
+#define AW 16
+typedef float vaf __attribute__((vector_size(AW * 4), aligned(4)));
+typedef int32_t vai __attribute__((vector_size(AW * 4), aligned(4)));
+typedef uint16_t vah __attribute__((vector_size(AW * 2), aligned(2)));
+
+void hfp_argmax_rows(const void* x, int64_t stride, int rows, int n, int dt, int64_t* index, float* value, int threads) {
+    const int nt = (int64_t)rows * n >= PAR_ELEMS ? threads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int r = 0; r < rows; ++r) {
+        const float* xf = (const float*)x + (int64_t)r * stride;
+        const uint16_t* xb = (const uint16_t*)x + (int64_t)r * stride;
+        vaf best;
+        vai at = {0}, cur, nan = {0};
+        for (int j = 0; j < AW; ++j) best[j] = -INFINITY, cur[j] = j;
+        int i = 0;
+        for (; i + AW <= n; i += AW) {
+            vaf v;
+            if (dt == DT_BF16) v = (vaf)(__builtin_convertvector(*(const vah*)(xb + i), vai) << 16);
+            else v = *(const vaf*)(xf + i);
+            const vai gt = v > best;
+            nan |= v != v;
+            best = (vaf)(((vai)v & gt) | ((vai)best & ~gt));
+            at = (cur & gt) | (at & ~gt);
+            cur += AW;
+        }
+        float m = -INFINITY;
+        int64_t k = 0;
+        int any_nan = 0;
+        for (int j = 0; j < AW; ++j) {
+            any_nan |= nan[j] != 0;
+            if (best[j] > m || (best[j] == m && at[j] < k)) m = best[j], k = at[j];
+        }
+        for (; i < n; ++i) {
+            const float v = dt == DT_BF16 ? bf16_to_f32(xb[i]) : xf[i];
+            any_nan |= v != v;
+            if (v > m) m = v, k = i;
+        }
+        if (any_nan)
+            for (i = 0; i < n; ++i) {
+                const float v = dt == DT_BF16 ? bf16_to_f32(xb[i]) : xf[i];
+                if (v != v) { m = v, k = i; break; }
+            }
+        index[r] = k;
+        value[r] = m;
     }
 }
