@@ -12,7 +12,7 @@ import contextlib
 import contextvars
 import sys
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +50,7 @@ class AttentionMetadata:
     has_padding: bool = False
     torch_plan: kernels.TorchAttentionPlan | None = None
     static: bool = False  # a padded static-shape step (decode_runner.py): one graph-safe op per layer
+    native_step: Callable | None = None  # every sequence native (kernels/cpu_attention.NativeStep): 2 C calls a layer
     fused: bool = False  # decoder layers with a fused CPU forward (hf/fused_layers.py) may take it
 
 
@@ -140,6 +141,10 @@ def attend(
     softcap: float | None = None,
 ) -> torch.Tensor:  # [T, H, Dv]
     """Store one layer's new keys and values in its pool and attend over each sequence's cache."""
+    if meta.native_step is not None:
+        out = meta.native_step(layer_idx, q, k, v, scale, sliding_window, softcap)
+        if out is not None:
+            return out
     k_cache, v_cache = meta.kv_caches[layer_idx]
     value_dim = v.shape[-1]
     if k.shape[-1] != value_dim:

@@ -110,8 +110,9 @@ class ModelRunner:
             plan = TorchAttentionPlan(
                 block_tables, seq_lens, q_lens, self.block_size, len(ids), self._native_max_q, seq_lens_t, cu_t
             )
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_mapping=slot_mapping,
             block_tables=block_tables,
             seq_lens=seq_lens_t,
             cu_seqlens_q=cu_t,
@@ -122,6 +123,7 @@ class ModelRunner:
             has_padding=False,
             torch_plan=plan,
             fused=self.fused_layers,
+            native_step=cpu_attention.NativeStep.build(plan, slot_mapping, kv_caches) if self._native_max_q else None,
         )
         return StepInputs(
             input_ids=torch.tensor([ids], dtype=torch.long, device=device),

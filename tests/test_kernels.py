@@ -8,6 +8,8 @@ import torch
 from hf_paged.kernels import TorchAttentionPlan, cpu_attention, paged_attention, resolve_backend, store_kv
 from hf_paged.kernels.native import NativeLibrary
 from hf_paged.kernels.reference import paged_attention_reference, store_kv_reference
+from hf_paged import PagedGenerator, SamplingParams
+from tests.helpers import make_model, make_prompts, stock_greedy
 from tests.kernel_cases import make_case
 
 SHAPES = {
@@ -197,3 +199,44 @@ def test_native_kernel_narrower_vector_paths(isa_flags, monkeypatch):
         want = paged_attention_reference(*case.args())
         got = paged_attention(*case.args(), backend="cpu")
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_step_matches_store_then_attend(dtype):
+    """A step of decodes and short verifications takes the per-step native fast path: its store + attention
+    equals store_kv_cpu + paged_attention; tensors that do not fit return None (nothing written), and a
+    step with a prefill chunk gets no fast path."""
+    case = make_case([5, 17, 40, 33], [1, 1, 4, 1], num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    g = torch.Generator().manual_seed(2)
+    T = case.query.shape[0]
+    qkv = torch.randn(T, (6 + 2 + 2) * 64, generator=g).to(dtype)  # q/k/v as column views of one projection
+    q, k, v = (t.view(T, -1, 64) for t in qkv.split_with_sizes([6 * 64, 2 * 64, 2 * 64], dim=-1))
+    tables, lens, cu = case.block_tables, case.seq_lens.tolist(), case.cu_seqlens_q.tolist()
+    slots = torch.tensor([int(tables[s, p // 16]) * 16 + p % 16 for s in range(4) for p in range(lens[s] - (cu[s + 1] - cu[s]), lens[s])])
+    plan = TorchAttentionPlan.build(tables, case.seq_lens, case.cu_seqlens_q, 16, native_max_q=cpu_attention.MAX_Q)
+    k_ref, v_ref = case.k_cache.clone(), case.v_cache.clone()
+    step = cpu_attention.NativeStep.build(plan, slots, [(case.k_cache, case.v_cache)])
+    assert step is not None
+    assert step(0, q.half(), k, v, case.scale, None, None) is None  # another dtype than the pool's
+    assert step(0, q, k[:-1], v[:-1], case.scale, None, None) is None  # not one row per query token
+    assert torch.equal(case.k_cache.nan_to_num(), k_ref.nan_to_num())
+    got = step(0, q, k, v, case.scale, None, None)
+    store_kv(k, v, k_ref, v_ref, slots, backend="cpu")
+    want = paged_attention(q, k_ref, v_ref, *case.args()[3:], backend="cpu", plan=plan)
+    assert torch.equal(case.k_cache.nan_to_num(), k_ref.nan_to_num()) and torch.equal(case.v_cache.nan_to_num(), v_ref.nan_to_num())
+    assert torch.equal(got, want)
+    prefill = TorchAttentionPlan.build(tables, case.seq_lens, torch.tensor([0, 1, 2, 42, 43], dtype=torch.int32), 16,
+                                       native_max_q=cpu_attention.MAX_Q)
+    assert cpu_attention.NativeStep.build(prefill, slots, [(case.k_cache, case.v_cache)]) is None
+
+
+def test_engine_decode_steps_take_the_native_step(monkeypatch):
+    calls = []
+    original = cpu_attention.NativeStep.__call__
+    monkeypatch.setattr(cpu_attention.NativeStep, "__call__", lambda self, *a: calls.append(a[0]) or original(self, *a))
+    model = make_model("llama")
+    prompts = make_prompts(3, seed=2)
+    engine = PagedGenerator(model, attention_backend="cpu", max_num_seqs=4)
+    got = [o.outputs[0].token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)]
+    assert got == [stock_greedy(model, p, 6) for p in prompts]
+    assert calls and set(calls) == set(range(model.config.num_hidden_layers))

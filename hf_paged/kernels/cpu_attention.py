@@ -155,3 +155,68 @@ def store_kv_native(
     if rc != 0:
         raise IndexError(f"slot_mapping has a slot past the pool's {k_cache.shape[0] * k_cache.shape[1]} slots")
     return True
+
+
+class NativeStep:
+    """The store and attention calls of a step whose every sequence goes through the native kernel (decodes,
+    speculative verification; no prefill chunk). The step's arguments are converted once, here; each layer
+    then checks only its own tensors and makes the two C calls (the general path, ``store_kv_cpu`` then
+    ``paged_attention``, spends ~10 us of Python a layer on checks and dispatch)."""
+
+    def __init__(self, lib: ctypes.CDLL, plan, slot_mapping: torch.Tensor, kv_caches) -> None:
+        self.lib = lib
+        self.kv_caches = kv_caches
+        self.slot_mapping = slot_mapping
+        self.num_tokens = slot_mapping.shape[0]
+        self.plan = plan  # keeps the int32 tensors below alive
+        self.step_args = (
+            plan.block_tables_i32.data_ptr(), plan.block_tables_i32.stride(0), plan.seq_lens_i32.data_ptr(),
+            plan.cu_seqlens_q_i32.data_ptr(), plan.native_seq_ids.data_ptr(), plan.native_seq_ids.numel(),
+        )
+        self.max_q = plan.native_max_q
+        self.threads = torch.get_num_threads()
+
+    @classmethod
+    def build(cls, plan, slot_mapping: torch.Tensor, kv_caches) -> NativeStep | None:
+        """The fast path for this step, or None where some sequence needs the torch path."""
+        if plan is None or plan.native_seq_ids is None or plan.groups:
+            return None
+        lib = LIBRARY.load()
+        if lib is None or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.device.type != "cpu":
+            return None
+        return cls(lib, plan, slot_mapping, kv_caches)
+
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        sliding_window: int | None, softcap: float | None,
+    ) -> torch.Tensor | None:
+        """Store ``k``/``v`` ``[T, KVH, D]`` and attend ``q`` ``[T, H, D]``; None (nothing done) where the
+        tensors do not fit the kernel, and the caller takes the general path."""
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        dt = q.dtype
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+            return None
+        T, H, D = q.shape
+        kvh = k_cache.shape[2]
+        if (
+            dt is not k_cache.dtype or k.dtype is not dt or v.dtype is not dt or dt not in _DTYPES or T != self.num_tokens
+            or q.stride(2) != 1 or D != k_cache.shape[3] or H % kvh or k.shape != (T, kvh, D) or v.shape != (T, kvh, D)
+            or k.stride(2) != 1 or k.stride(1) != D or v.stride(2) != 1 or v.stride(1) != D
+        ):
+            return None
+        size = q.element_size()
+        rc = self.lib.hfp_store_kv(
+            k.data_ptr(), v.data_ptr(), k.stride(0) * size, v.stride(0) * size, k_cache.data_ptr(), v_cache.data_ptr(),
+            self.slot_mapping.data_ptr(), T, kvh * D * size, k_cache.shape[0] * k_cache.shape[1],
+        )
+        if rc != 0:
+            raise IndexError(f"slot_mapping has a slot past the pool's {k_cache.shape[0] * k_cache.shape[1]} slots")
+        out = q.new_empty(T, H, D)
+        rc = self.lib.hfp_paged_attention(
+            q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), *self.step_args,
+            out.data_ptr(), H * D, D, H, kvh, D, k_cache.shape[1], float(scale), int(sliding_window or 0),
+            float(softcap or 0.0), _DTYPES[dt], self.max_q, self.threads,
+        )
+        if rc != 0:
+            raise MemoryError("native CPU attention could not allocate its scratch buffers")
+        return out
