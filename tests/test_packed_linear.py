@@ -65,6 +65,32 @@ def test_native_packed_linear_follows_weight_changes_and_empty_inputs():
     assert torch.equal(empty.linear(torch.empty(3, 0), torch.arange(5.0)), torch.arange(5.0).expand(3, 5))
 
 
+needs_native_bf16 = pytest.mark.skipif(not packed_linear.available("native", torch.bfloat16),
+                                       reason="native bf16 GEMM needs AVX-512 BF16")
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 97, 300])
+@pytest.mark.parametrize("shape", [(96, 80), (97, 600), (3, 5), (40, 1536)], ids=["even", "ragged", "odd-k", "long-k"])
+def test_native_bf16_packed_linear_matches_linear(rows, shape):
+    """bf16 (VDPBF16PS): row-block tails (rows % 8), a last panel narrower than 32 columns (masked stores), an
+    odd K (zero column), prefill's row blocks (97, 300), bias in fp32; equal to F.linear but for the last
+    bit of a few sums (another order), rows independent of the batch, strided inputs."""
+    w, b, x = (t.bfloat16() for t in _native_case(rows, *shape, seed=rows))
+    pack = NativePackedWeight(w)
+    got = pack.linear(x, b)
+    want = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(got.double(), want, atol=2e-2 * want.abs().max().item(), rtol=1e-2)
+    assert (got == F.linear(x, w, b)).float().mean() > 0.99
+    assert torch.equal(pack.linear(x[rows // 2 : rows // 2 + 1], b), got[rows // 2 : rows // 2 + 1])
+    wide = torch.cat([x, x], dim=1)[:, : shape[1]]
+    assert torch.equal(pack.linear(wide, b), got)
+    assert torch.equal(pack.linear(x, None), pack.linear(x, torch.zeros_like(b)))
+    nan = x.clone()
+    nan[0, 0] = float("nan")
+    assert pack.linear(nan, b)[0].isnan().all() and not pack.linear(nan, b)[1:].isnan().any()
+
+
 @pytest.mark.parametrize(("isa_flags", "panel"), [
     (("-mno-avx512f",), 16), (("-mno-avx512f", "-mno-avx2", "-mno-fma"), 16), (("-mno-avx512f", "-mno-avx"), 8),
 ], ids=["avx2", "avx-no-fma", "sse"])
@@ -77,6 +103,7 @@ def test_native_gemm_narrower_vector_paths(isa_flags, panel, monkeypatch):
     assert lib.load() is not None, lib.why
     assert lib.load().hfp_gemm_nr() == panel
     monkeypatch.setattr(packed_linear, "NATIVE_GEMM", lib)
+    assert not lib.load().hfp_gemm_bf16_ok()  # no AVX-512: no bf16 GEMM (its probe fails, oneDNN or upcast serve)
     for rows, shape in ((1, (97, 600)), (13, (40, 70)), (130, (33, 20))):
         w, b, x = _native_case(rows, *shape, seed=rows)
         got = NativePackedWeight(w).linear(x, b)

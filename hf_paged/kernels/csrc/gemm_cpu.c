@@ -164,3 +164,140 @@ int hfp_gemm(const float* x, int64_t ldx, const float* packed, const float* bias
     }
     return 0;
 }
+
+/*
+ * bf16 weights and activations (CPUs with AVX-512 BF16): the same scheme, with VDPBF16PS, which multiplies
+ * 16 pairs of bf16 and adds both products to 16 fp32 lanes. The weight goes in panels of BNR = 48 columns
+ * (three vectors; 32 measured ~5% slower) with each column's k pairs side by side ([panel][k/2][column][2];
+ * K even, zero past N); the x pair (x[i][2kk], x[i][2kk+1]) is broadcast as one 32-bit value, and BMR x BNR
+ * fp32 sums stay in registers over all of K (a panel is K x 96 bytes, ~150 KB at K = 1536: it stays in L2
+ * while the row blocks pass over it). The sums are rounded to bf16 (nearest even) once, at the end; bias is
+ * added in fp32 first.
+ *
+ * While one panel computes, its row blocks prefetch the next panel into L2, each an equal share spread over
+ * its k-steps: the weights come from DRAM once per call, and this hides most of it. 30 layers' GEMMs of the
+ * default model at 64 rows on a Zen 5 host: 19-20 ms with the weights coming from DRAM, against oneDNN's
+ * 25.5 (both ~19-20 with them in cache).
+ */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define HAVE_BF16_GEMM 1
+enum { BMR = 8, BNV = 3, BNR = 16 * BNV }; /* 8 x 3 = 24 accumulators (of 32 registers): 24 VDPBF16PS per 11 loads */
+typedef int32_t pair_t __attribute__((may_alias, aligned(2)));
+
+static inline __m256i round_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); /* NaN stays NaN (quiet) */
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* y[0:mr, 0:cols] = round(bias + A[0:mr, 0:2kp] @ panel); pf_lines 64-byte lines from pf prefetched on the way */
+static inline __attribute__((always_inline)) void micro_bf16(
+    const int mr, const int kp, const uint16_t* a, const int64_t lda, const uint16_t* b, uint16_t* y, const int64_t ldy,
+    const int cols, const float* bias, const char* pf, const int pf_lines)
+{
+    __m512 acc[BMR][BNV];
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < BNV; ++v) acc[i][v] = bias ? _mm512_loadu_ps(bias + 16 * v) : _mm512_setzero_ps();
+    const char* pf_next = pf;
+    int pf_due = 0; /* pf_lines per kp k-steps, in integer steps: a line each time pf_due passes kp */
+    for (int kk = 0; kk < kp; ++kk) {
+        __m512bh bv[BNV];
+        for (int v = 0; v < BNV; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + (size_t)kk * 2 * BNR + 32 * v);
+        for (int i = 0; i < mr; ++i) {
+            const __m512bh ai = (__m512bh)_mm512_set1_epi32(*(const pair_t*)(a + i * lda + 2 * kk));
+            for (int v = 0; v < BNV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], ai, bv[v]);
+        }
+        if (pf != NULL)
+            for (pf_due += pf_lines; pf_due >= kp; pf_due -= kp, pf_next += 64) __builtin_prefetch(pf_next, 0, 2);
+    }
+    __mmask16 mask[BNV];
+    for (int v = 0; v < BNV; ++v) {
+        const int c = cols - 16 * v;
+        mask[v] = c >= 16 ? (__mmask16)0xffff : c <= 0 ? (__mmask16)0 : (__mmask16)((1u << c) - 1u);
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < BNV; ++v) _mm256_mask_storeu_epi16(y + i * ldy + 16 * v, mask[v], round_bf16(acc[i][v]));
+}
+
+static void micro_bf16_any(int mr, int kp, const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* y, int64_t ldy,
+                           int cols, const float* bias, const char* pf, int pf_lines) {
+    switch (mr) {
+#define MICRO_CASE(R) case R: micro_bf16(R, kp, a, lda, b, y, ldy, cols, bias, pf, pf_lines); break;
+    MICRO_CASE(8) MICRO_CASE(7) MICRO_CASE(6) MICRO_CASE(5) MICRO_CASE(4) MICRO_CASE(3) MICRO_CASE(2)
+    default: micro_bf16(1, kp, a, lda, b, y, ldy, cols, bias, pf, pf_lines); break;
+#undef MICRO_CASE
+    }
+}
+#else
+#define HAVE_BF16_GEMM 0
+enum { BNR = 48 };
+#endif
+
+/* whether this build has the bf16 GEMM (AVX-512 BF16), and its panel width */
+int hfp_gemm_bf16_ok(void) { return HAVE_BF16_GEMM; }
+int hfp_gemm_bf16_nr(void) { return BNR; }
+
+/* W [N, K] bf16 (row stride ldw, K even) into the bf16 panels: out[((p * K/2 + kk) * BNR + j) * 2 + h] =
+ * W[p * BNR + j, 2 kk + h], zero past N. */
+void hfp_gemm_bf16_pack(const uint16_t* w, int64_t ldw, int N, int K, uint16_t* out) {
+    const int panels = (N + BNR - 1) / BNR, kp = K / 2;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+        uint16_t* dst = out + (size_t)p * kp * BNR * 2;
+        for (int j = 0; j < BNR; ++j) {
+            const int n = p * BNR + j;
+            for (int kk = 0; kk < kp; ++kk)
+                for (int h = 0; h < 2; ++h)
+                    dst[((size_t)kk * BNR + j) * 2 + h] = n < N ? w[(size_t)n * ldw + 2 * kk + h] : 0;
+        }
+    }
+}
+
+/* y[M, N] bf16 (row stride ldy) = x[M, K] bf16 (row stride ldx) @ W^T + bias (fp32, NULL: none), W packed by
+ * hfp_gemm_bf16_pack; K even. -1 (nothing done) where this build has no bf16 GEMM. */
+int hfp_gemm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed, const float* bias, uint16_t* y, int64_t ldy,
+                  int M, int N, int K, int num_threads)
+{
+#if HAVE_BF16_GEMM
+    if (K % 2) return -1;
+    const int panels = (N + BNR - 1) / BNR, kp = K / 2;
+    const size_t panel_elems = (size_t)kp * BNR * 2;
+    const int mc = M <= MC_MAX ? M : MC;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int p_lo = (int)((int64_t)panels * t / nt), p_hi = (int)((int64_t)panels * (t + 1) / nt);
+        float bias_tile[BNR] __attribute__((aligned(64)));
+        for (int m0 = 0; m0 < M; m0 += mc) {
+            const int m1 = M - m0 < mc ? M : m0 + mc;
+            const int row_blocks = (m1 - m0 + BMR - 1) / BMR;
+            for (int p = p_lo; p < p_hi; ++p) {
+                const int n0 = p * BNR, cols = N - n0 < BNR ? N - n0 : BNR;
+                const float* bp = NULL;
+                if (bias) {
+                    for (int j = 0; j < BNR; ++j) bias_tile[j] = j < cols ? bias[n0 + j] : 0.0f;
+                    bp = bias_tile;
+                }
+                const uint16_t* w = packed + (size_t)p * panel_elems;
+                /* the next panel of this thread (this row block pass), in equal shares of its lines */
+                const char* next = p + 1 < p_hi ? (const char*)(w + panel_elems) : NULL;
+                const int lines = (int)(panel_elems * 2 / 64);
+                for (int i0 = m0, j = 0; i0 < m1; i0 += BMR, ++j) {
+                    const int mr = m1 - i0 < BMR ? m1 - i0 : BMR;
+                    const int lo = (int)((int64_t)lines * j / row_blocks), hi = (int)((int64_t)lines * (j + 1) / row_blocks);
+                    micro_bf16_any(mr, kp, x + (size_t)i0 * ldx, ldx, w, y + (size_t)i0 * ldy + n0, ldy, cols, bp,
+                                   next ? next + (size_t)lo * 64 : NULL, hi - lo);
+                }
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)num_threads;
+    return -1;
+#endif
+}
