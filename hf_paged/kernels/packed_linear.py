@@ -9,15 +9,10 @@ matmuls faster at every row count:
   matrix-vector path). ~1.1-1.5x on an Intel Cooper Lake host.
 - ``"onednn"`` (fp32 and bf16): ``mkldnn._reorder_linear_weight`` once, ``mkldnn._linear_pointwise`` per
   call. bf16 results are bitwise equal to ``F.linear`` (which runs the same oneDNN kernel); fp32 differs from
-  MKL in the last bits (a different summation order). On an AMD EPYC (Zen 4) host, where MKL's sgemm reaches
-  only ~60-110 GFLOP/s on 2 cores, oneDNN fp32 is 1.3-2x faster than ``F.linear``.
-- ``"native"`` (fp32, bf16): our own GEMM (``csrc/gemm_cpu.c``, built for the host like the attention kernel): the
-  weight in panels of 16 (AVX2) or 32 (AVX-512) output columns, a 6-row register-blocked micro-kernel, threads
-  splitting the panels. On an AVX2 Zen 3 host, 30 layers' GEMMs of the default model with the weights coming
-  from DRAM: 22 vs 36-41 ms at 1 row, 48-53 vs 67 at 16, 74-77 vs 94 at 32, 117-121 vs 141-152 at 64 for
-  oneDNN; equal at prefill sizes. Results do not depend on the batch's other rows (oneDNN's may).
-  bf16 too, on CPUs with AVX-512 BF16 (VDPBF16PS, panels of 48 columns, the next panel prefetched): on a
-  Zen 5 host with the weights coming from DRAM, 1.3x oneDNN at 16-64 rows, 1.1x at 1, equal at prefill.
+  MKL in the last bits (a different summation order). 1.3-2x ``F.linear`` in fp32 on AMD hosts.
+- ``"native"`` (fp32; bf16 on CPUs with AVX-512 BF16): our own GEMM (``csrc/gemm_cpu.c``, built for the host
+  like the attention kernel), register-blocked panels that prefetch the weights they read next; results do not
+  depend on the batch's other rows (oneDNN's may). Layouts and measurements: docs/kernels.md.
 - ``"upcast"`` (bf16, fp16): an fp32 copy of the weight, packed by the fastest fp32 packing; inputs are
   widened and outputs rounded back. For CPUs without bf16 arithmetic (AVX2 only), where torch emulates bf16
   matmuls at ~1/6 of the fp32 speed; costs twice the bf16 weights in memory.
