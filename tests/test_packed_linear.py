@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.attention import engine_forward, engine_forward_active
-from hf_paged.kernels import packed_linear
+from hf_paged.kernels import native_gemm, packed_linear
 from hf_paged.kernels.native import NativeLibrary
 from hf_paged.kernels.packed_linear import NativePackedWeight, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight
 from hf_paged.kernels.packed_model import PackedLinears
@@ -99,10 +99,10 @@ def test_native_gemm_narrower_vector_paths(isa_flags, panel, monkeypatch):
     SSE): build the narrower ones too, so an AVX-512 host also checks what AVX2-only CPUs run."""
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX") or platform.machine() != "x86_64":
         pytest.skip("x86 ISA flags")
-    lib = NativeLibrary("gemm_cpu.c", packed_linear.NATIVE_GEMM.functions, extra_flags=isa_flags)
+    lib = NativeLibrary("gemm_cpu.c", native_gemm.NATIVE_GEMM.functions, extra_flags=isa_flags)
     assert lib.load() is not None, lib.why
     assert lib.load().hfp_gemm_nr() == panel
-    monkeypatch.setattr(packed_linear, "NATIVE_GEMM", lib)
+    monkeypatch.setattr(native_gemm, "NATIVE_GEMM", lib)
     assert not lib.load().hfp_gemm_bf16_ok()  # no AVX-512: no bf16 GEMM (its probe fails, oneDNN or upcast serve)
     for rows, shape in ((1, (97, 600)), (13, (40, 70)), (130, (33, 20))):
         w, b, x = _native_case(rows, *shape, seed=rows)

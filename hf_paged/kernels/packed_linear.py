@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import os
 import time
 
 import torch
 
-from hf_paged.kernels import probes
-from hf_paged.kernels.native import NativeLibrary
+from hf_paged.kernels import native_gemm, probes
+from hf_paged.kernels.native_gemm import NativePackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +113,9 @@ def _probe_packing(kind: str, dtype: torch.dtype) -> None:
         raise RuntimeError("this torch build does not export MKL's packed sgemm (cblas_sgemm_pack)")
     if kind == "onednn" and not _onednn_built():
         raise RuntimeError("this torch build has no oneDNN (mkldnn) linear ops")
-    if kind == "native" and NATIVE_GEMM.load() is None:
-        raise RuntimeError(f"the native GEMM kernel is not built: {NATIVE_GEMM.why}")
-    if kind == "native" and dtype == torch.bfloat16 and not NATIVE_GEMM.load().hfp_gemm_bf16_ok():
+    if kind == "native" and native_gemm.NATIVE_GEMM.load() is None:
+        raise RuntimeError(f"the native GEMM kernel is not built: {native_gemm.NATIVE_GEMM.why}")
+    if kind == "native" and dtype == torch.bfloat16 and not native_gemm.NATIVE_GEMM.load().hfp_gemm_bf16_ok():
         raise RuntimeError("the native bf16 GEMM needs AVX-512 BF16, which this CPU (or build) lacks")
     if kind == "upcast" and not available("any", torch.float32):
         raise RuntimeError("no fp32 packing works here to compute in")
@@ -189,98 +188,6 @@ class OneDnnPackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 
 
-_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-NATIVE_GEMM = NativeLibrary(
-    "gemm_cpu.c",
-    {
-        "hfp_gemm_nr": (_i32, []),
-        "hfp_gemm_pack": (None, [_ptr, _i64, _i32, _i32, _ptr]),
-        "hfp_gemm": (_i32, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32]),
-        "hfp_gemm_bf16_ok": (_i32, []),
-        "hfp_gemm_bf16_nr": (_i32, []),
-        "hfp_gemm_bf16_pack": (None, [_ptr, _i64, _i32, _i32, _ptr]),
-        "hfp_gemm_bf16": (_i32, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32]),
-    },
-    what="the native GEMM kernel",
-)
-
-
-class NativePackedWeight:
-    """One fp32 or bf16 weight in the panel layout of ``csrc/gemm_cpu.c`` (our own register-blocked GEMM).
-
-    fp32: each output sums its k terms in order (fused multiply-adds where the CPU has FMA), so a row's result
-    is the same whatever other rows share the batch. bf16 (CPUs with AVX-512 BF16): VDPBF16PS sums k pairs
-    into fp32, bias added in fp32, one rounding to bf16 at the end, again independent of the other rows.
-    """
-
-    kind = "native"
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        assert weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
-        lib = NATIVE_GEMM.load()
-        assert lib is not None, NATIVE_GEMM.why
-        self.source = weight
-        self.version = weight._version
-        self.dtype = weight.dtype
-        self.out_features, self.in_features = weight.shape
-        w = weight.detach().contiguous()
-        if self.dtype == torch.float32:
-            nr = lib.hfp_gemm_nr()
-            self.packed = torch.empty(-(-self.out_features // nr) * nr * self.in_features, dtype=torch.float32)
-            lib.hfp_gemm_pack(w.data_ptr(), w.stride(0), self.out_features, self.in_features, self.packed.data_ptr())
-        else:
-            assert lib.hfp_gemm_bf16_ok(), "the native bf16 GEMM needs AVX-512 BF16"
-            self.k_even = self.in_features + self.in_features % 2  # an odd K gets a zero column
-            if self.k_even != self.in_features:
-                w = torch.nn.functional.pad(w, (0, 1))
-            nr = lib.hfp_gemm_bf16_nr()
-            self.packed = torch.empty(-(-self.out_features // nr) * nr * self.k_even, dtype=torch.bfloat16)
-            lib.hfp_gemm_bf16_pack(w.data_ptr(), w.stride(0), self.out_features, self.k_even, self.packed.data_ptr())
-
-    def stale(self, weight: torch.Tensor) -> bool:
-        return weight is not self.source or weight._version != self.version
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.dtype == torch.bfloat16:
-            return self._linear_bf16(x, bias)
-        x2 = x.reshape(math.prod(x.shape[:-1]), self.in_features)
-        if x2.stride(-1) != 1 or x2.dtype != torch.float32:
-            x2 = x2.float().contiguous()
-        rows = x2.shape[0]
-        y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        if bias is not None:
-            bias = bias.float().contiguous()
-        if self.in_features == 0:  # an empty sum: the kernel would leave y unwritten
-            y.zero_()
-            if bias is not None:
-                y += bias
-        elif rows:
-            NATIVE_GEMM.load().hfp_gemm(
-                x2.data_ptr(), x2.stride(0), self.packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                y.data_ptr(), self.out_features, rows, self.out_features, self.in_features, torch.get_num_threads(),
-            )
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def _linear_bf16(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x2 = x.reshape(math.prod(x.shape[:-1]), self.in_features)
-        if x2.stride(-1) != 1 or x2.dtype != torch.bfloat16:
-            x2 = x2.to(torch.bfloat16).contiguous()
-        if self.k_even != self.in_features:
-            x2 = torch.nn.functional.pad(x2, (0, 1))
-        rows = x2.shape[0]
-        y = torch.empty(rows, self.out_features, dtype=torch.bfloat16)
-        if bias is not None:
-            bias = bias.float().contiguous()
-        if self.in_features == 0:
-            y.copy_(torch.zeros(rows, self.out_features) if bias is None else bias.expand(rows, -1))
-        elif rows:
-            NATIVE_GEMM.load().hfp_gemm_bf16(
-                x2.data_ptr(), x2.stride(0), self.packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                y.data_ptr(), self.out_features, rows, self.out_features, self.k_even, torch.get_num_threads(),
-            )
-        return y.view(*x.shape[:-1], self.out_features)
-
-
 class UpcastPackedWeight:
     """A bf16/fp16 weight computed in fp32: an fp32 copy packed by the fastest fp32 packing, output rounded back.
 
@@ -313,7 +220,20 @@ class UpcastPackedWeight:
 
 PACKERS = {"mkl": PackedWeight, "onednn": OneDnnPackedWeight, "native": NativePackedWeight, "upcast": UpcastPackedWeight}
 _fastest: dict[tuple, str] = {}
-_COLD_BYTES = 96 << 20  # weight copies fastest_kind cycles through: past the last-level cache of our hosts
+
+
+def _cold_bytes() -> int:
+    """Bytes of weight copies fastest_kind cycles through: twice the last-level cache (sysfs), 96 MiB if unknown."""
+    size = 0
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+                text = f.read().strip()
+        except OSError:
+            break
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        size = max(size, int(text.rstrip("KMG") or 0) * scale)
+    return min(512 << 20, max(32 << 20, 2 * size)) if size else 96 << 20
 _MARGIN = {"upcast": 1.25}
 _upcast_inner: str | None = None
 _timings: dict[tuple, dict[str, float]] = {}  # fastest_kind's key -> kind -> seconds per call
@@ -340,7 +260,7 @@ def fastest_kind(
     # Enough copies of the weight to overflow the caches, called in turn: each call reads its weight from
     # DRAM, as every linear of a decode step does. (Timed with one hot weight, oneDNN won for fp32 on a Zen 5
     # host; with the weights coming from DRAM our GEMM, which prefetches them, was 10% faster.)
-    copies = max(reps, min(256, -(-_COLD_BYTES // max(1, w.numel() * w.element_size()))))
+    copies = max(reps, min(256, -(-_cold_bytes() // max(1, w.numel() * w.element_size()))))
     weights = [w] + [w.clone() for _ in range(copies - 1)]
     timings = {}
     for kind in (("torch",) if include_torch else ()) + tuple(kinds):
@@ -372,7 +292,7 @@ def fastest_kind(
 def reset() -> None:
     """Forget timings, probe results and the loaded native GEMM library of the packings (for tests)."""
     global _upcast_inner
-    NATIVE_GEMM.reset()
+    native_gemm.NATIVE_GEMM.reset()
     _fastest.clear()
     _timings.clear()
     _upcast_inner = None
