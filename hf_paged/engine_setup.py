@@ -75,6 +75,8 @@ def maybe_prepack(model: torch.nn.Module, cfg: EngineConfig, device: torch.devic
             f"{k} for {str(d).removeprefix('torch.')}: {packed_linear.unavailable_reason(k, d) or 'slower than F.linear'}"
             for k in tried for d in dtypes if k in packed_linear.CANDIDATES.get(d, ())
         )
+        if any(type(m) is torch.nn.Linear and m.weight.is_inference() for m in model.modules()):
+            why += "; weights made under torch.inference_mode are never packed (no version counter to see changes)"
         raise RuntimeError(f"prepack_weights={want!r}: no nn.Linear weight of this model can be packed here ({why})")
     return packed
 

@@ -245,6 +245,34 @@ def test_engine_with_each_packing_keeps_greedy_parity(kind):
     assert "forward" not in model.model.layers[0].mlp.up_proj.__dict__  # close() restored the modules
 
 
+@pytest.mark.parametrize("kind", ["mkl", "onednn", "native"])
+def test_inference_tensor_weights_are_not_packed(kind, monkeypatch):
+    """Weights made under torch.inference_mode have no version counter, so a pack could not notice an in-place
+    change: they keep F.linear, also when the start-up timing picks a packing (before, packing them raised:
+    a test failed whenever the timing of its tiny shape happened to favour a packing)."""
+    if not packed_linear.available(kind):
+        pytest.skip(f"torch without {kind} packing")
+    import transformers
+
+    from hf_paged import PagedGenerator, SamplingParams
+    from hf_paged.kernels import packed_model
+    from tests.helpers import stock_greedy
+
+    monkeypatch.setattr(packed_model, "fastest_kind", lambda *a, **k: kind)
+
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
+        model = transformers.LlamaForCausalLM(config).eval()
+    with PagedGenerator(model, num_blocks=64) as engine:
+        assert engine.packed is None or len(engine.packed) == 0
+        out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0].token_ids
+    assert out == stock_greedy(model, [1, 2, 3], 4)
+    with pytest.raises(RuntimeError, match="made under torch.inference_mode"):
+        PagedGenerator(model, num_blocks=64, prepack_weights=kind)
+
+
 def test_bad_prepack_value_leaves_model_untouched():
     from hf_paged import PagedGenerator
     from tests.helpers import make_model

@@ -222,6 +222,22 @@ PACKERS = {"mkl": PackedWeight, "onednn": OneDnnPackedWeight, "native": NativePa
 _fastest: dict[tuple, str] = {}
 
 
+def _release_freed_memory() -> None:
+    """Hand the timing's freed weight copies back to the OS: they were small enough for the allocator to keep,
+    and would otherwise stay resident (and be handed out again as already-resident memory, e.g. to the KV pool)."""
+    for name in ("malloc_trim", "MallocExtension_ReleaseFreeMemory"):  # glibc; tcmalloc when preloaded
+        fn = getattr(_libc(), name, None)
+        if fn is not None:
+            fn(*((0,) if name == "malloc_trim" else ()))
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
 def _cold_bytes() -> int:
     """Bytes of weight copies fastest_kind cycles through: twice the last-level cache (sysfs), 96 MiB if unknown."""
     size = 0
@@ -278,6 +294,8 @@ def fastest_kind(
             best_round = min(best_round, time.perf_counter() - start)
         timings[kind] = best_round / len(calls)
         del calls
+    del weights
+    _release_freed_memory()
     # A packing costs memory (upcast: twice the weights): keep it only if clearly faster than F.linear.
     best = min(timings, key=lambda k: timings[k] * (1.0 if k == "torch" else _MARGIN.get(k, 1.1)))
     _timings[key] = timings

@@ -61,7 +61,8 @@ class PackedGroup:
             return True
         first = self.modules[0].weight
         if any(m.weight.dtype != first.dtype or m.weight.device.type != "cpu" or m.weight.dim() != 2
-               or m.weight.shape[1] != first.shape[1] for m in self.modules):
+               or m.weight.shape[1] != first.shape[1] or m.weight.is_inference()
+               or (m.bias is not None and m.bias.is_inference()) for m in self.modules):
             return False
         self._pack()
         return True
@@ -98,6 +99,10 @@ class PackedLinears:
         for module in model.modules():
             w = getattr(module, "weight", None)
             if type(module) is not torch.nn.Linear or w is None or w.device.type != "cpu":
+                continue
+            if w.is_inference() or (module.bias is not None and module.bias.is_inference()):
+                # made under torch.inference_mode: no version counter, so an in-place change could not be seen
+                # and a pack would go stale silently; these keep F.linear
                 continue
             packer = self._packer(w, kind)
             if packer is None:
@@ -144,7 +149,7 @@ class PackedLinears:
                 return original(x)
             pack = packs[id(module)]
             if pack is None or pack.stale(weight):  # not packed yet (a group member), or the weight changed
-                if weight.dtype != dtype or weight.device.type != "cpu":
+                if weight.dtype != dtype or weight.device.type != "cpu" or weight.is_inference():
                     return original(x)
                 pack = packs[id(module)] = packer(weight)
             return pack.linear(x, module.bias)
