@@ -110,21 +110,38 @@ def paged_attention_native(
     assert out.dtype == query.dtype and out.stride(-1) == 1
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q), ("seq_ids", seq_ids)):
         assert t.dtype == torch.int32 and t.is_contiguous(), f"{name} must be contiguous int32"
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    _attend(lib, query, k_cache, v_cache, _step_args(block_tables, seq_lens, cu_seqlens_q, seq_ids), out, scale,
+            sliding_window, softcap, max_q, torch.get_num_threads())
+
+
+def _step_args(block_tables, seq_lens, cu_seqlens_q, seq_ids) -> tuple:
+    """The per-step int32 metadata as the kernel takes it (pointers and sizes; the tensors must outlive it)."""
+    return (block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),
+            seq_ids.data_ptr(), seq_ids.numel())
+
+
+def _attend(lib, query, k_cache, v_cache, step_args, out, scale, sliding_window, softcap, max_q, threads) -> None:
+    """One unchecked ``hfp_paged_attention`` call (the callers check the tensors)."""
     rc = lib.hfp_paged_attention(
-        query.data_ptr(), query.stride(0), query.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(),
-        block_tables.data_ptr(), block_tables.stride(0),
-        seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),
-        seq_ids.data_ptr(), seq_ids.numel(),
-        out.data_ptr(), out.stride(0), out.stride(1),
-        num_heads, num_kv_heads, head_dim, block_size,
-        float(scale), int(sliding_window or 0), float(softcap or 0.0), _DTYPES[query.dtype], max_q,
-        torch.get_num_threads(),
+        query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), *step_args,
+        out.data_ptr(), out.stride(0), out.stride(1), query.shape[1], k_cache.shape[2], query.shape[2],
+        k_cache.shape[1], float(scale), int(sliding_window or 0), float(softcap or 0.0), _DTYPES[query.dtype], max_q,
+        threads,
     )
     if rc != 0:
         raise MemoryError("native CPU attention could not allocate its scratch buffers")
+
+
+def _store(lib, key, value, k_cache, v_cache, slot_mapping) -> None:
+    """One unchecked ``hfp_store_kv`` call (the callers check the tensors); raises if a slot is past the pool."""
+    size = key.element_size()
+    rc = lib.hfp_store_kv(
+        key.data_ptr(), value.data_ptr(), key.stride(0) * size, value.stride(0) * size,
+        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), slot_mapping.shape[0],
+        key.shape[1] * key.shape[2] * size, k_cache.shape[0] * k_cache.shape[1],
+    )
+    if rc != 0:
+        raise IndexError(f"slot_mapping has a slot past the pool's {k_cache.shape[0] * k_cache.shape[1]} slots")
 
 
 def store_kv_native(
@@ -146,14 +163,7 @@ def store_kv_native(
         or key.stride(2) != 1 or key.stride(1) != key.shape[2] or value.stride(2) != 1 or value.stride(1) != value.shape[2]
     ):
         return False
-    size = key.element_size()
-    rc = lib.hfp_store_kv(
-        key.data_ptr(), value.data_ptr(), key.stride(0) * size, value.stride(0) * size,
-        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), slot_mapping.shape[0],
-        key.shape[1] * key.shape[2] * size, k_cache.shape[0] * k_cache.shape[1],
-    )
-    if rc != 0:
-        raise IndexError(f"slot_mapping has a slot past the pool's {k_cache.shape[0] * k_cache.shape[1]} slots")
+    _store(lib, key, value, k_cache, v_cache, slot_mapping)
     return True
 
 
@@ -169,10 +179,7 @@ class NativeStep:
         self.slot_mapping = slot_mapping
         self.num_tokens = slot_mapping.shape[0]
         self.plan = plan  # keeps the int32 tensors below alive
-        self.step_args = (
-            plan.block_tables_i32.data_ptr(), plan.block_tables_i32.stride(0), plan.seq_lens_i32.data_ptr(),
-            plan.cu_seqlens_q_i32.data_ptr(), plan.native_seq_ids.data_ptr(), plan.native_seq_ids.numel(),
-        )
+        self.step_args = _step_args(plan.block_tables_i32, plan.seq_lens_i32, plan.cu_seqlens_q_i32, plan.native_seq_ids)
         self.max_q = plan.native_max_q
         self.threads = torch.get_num_threads()
 
@@ -204,19 +211,7 @@ class NativeStep:
             or k.stride(2) != 1 or k.stride(1) != D or v.stride(2) != 1 or v.stride(1) != D
         ):
             return None
-        size = q.element_size()
-        rc = self.lib.hfp_store_kv(
-            k.data_ptr(), v.data_ptr(), k.stride(0) * size, v.stride(0) * size, k_cache.data_ptr(), v_cache.data_ptr(),
-            self.slot_mapping.data_ptr(), T, kvh * D * size, k_cache.shape[0] * k_cache.shape[1],
-        )
-        if rc != 0:
-            raise IndexError(f"slot_mapping has a slot past the pool's {k_cache.shape[0] * k_cache.shape[1]} slots")
+        _store(self.lib, k, v, k_cache, v_cache, self.slot_mapping)
         out = q.new_empty(T, H, D)
-        rc = self.lib.hfp_paged_attention(
-            q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), *self.step_args,
-            out.data_ptr(), H * D, D, H, kvh, D, k_cache.shape[1], float(scale), int(sliding_window or 0),
-            float(softcap or 0.0), _DTYPES[dt], self.max_q, self.threads,
-        )
-        if rc != 0:
-            raise MemoryError("native CPU attention could not allocate its scratch buffers")
+        _attend(self.lib, q, k_cache, v_cache, self.step_args, out, scale, sliding_window, softcap, self.max_q, self.threads)
         return out

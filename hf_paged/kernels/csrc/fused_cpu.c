@@ -22,9 +22,7 @@
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 /* below this many elements one thread does the whole call (64 x 576 bf16 RMSNorm with the residual on a
  * Zen 5 host: 11 us on one thread, 6 on two) */
-#ifndef PAR_ELEMS
 #define PAR_ELEMS (1 << 14)
-#endif
 
 static inline float bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v;
