@@ -56,9 +56,11 @@ class EngineConfig:
             (error if nothing can be fused here); False: transformers' layer code.
         enforce_eager: Run every step eagerly on exact shapes: no decode buckets, CUDA graphs or compilation.
         decode_runner: How decode steps (every sequence adds 1 token, or 1 + k when verifying drafts) run
-            when not ``enforce_eager``: "auto" (CUDA graphs on CUDA; on CPU the dynamic eager path, measured
-            fastest there), "cuda_graphs", "inductor" (``torch.compile`` per bucket, cached on disk; turns
-            weight packing off) or "static" (padded buckets run eagerly: the CPU twin of the graphs).
+            when not ``enforce_eager``: "auto" (CUDA graphs on CUDA; on CPU the native decode program where
+            the model fits it, else the dynamic eager path), "native" (the step's kernel calls recorded once
+            and replayed, no padding: :mod:`hf_paged.hf.native_program`; error if the model does not fit),
+            "cuda_graphs", "inductor" (``torch.compile`` per bucket, cached on disk; turns weight packing off)
+            or "static" (padded buckets run eagerly: the CPU twin of the graphs).
         decode_buckets: Batch sizes decode steps are padded up to (positive, increasing, at most
             ``max_num_seqs``). None: 1, 2, 4, 8, 16, 32, 48, ... up to ``max_num_seqs``.
     """

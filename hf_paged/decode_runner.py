@@ -30,7 +30,7 @@ from hf_paged.kernels import graph_ops
 
 logger = logging.getLogger(__name__)
 
-MODES = ("auto", "static", "cuda_graphs", "inductor")
+MODES = ("auto", "native", "static", "cuda_graphs", "inductor")
 # transformers builds no mask when it is handed a 4-D one; the paged kernels mask by themselves. Without it
 # the mask builder reads a context variable, which torch.compile cannot trace (a graph break per forward).
 _NO_MASK = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
@@ -61,18 +61,22 @@ def check_buckets(buckets: object, max_num_seqs: int) -> tuple[int, ...]:
 
 
 def resolve_mode(mode: str, enforce_eager: bool, device: torch.device) -> str | None:
-    """The decode runner mode to use, or None for the dynamic eager path only.
+    """The decode mode to use, or None for the dynamic eager path only.
 
-    "auto" is CUDA graphs on CUDA. On CPU it is None: measured on an AVX2 host (docs/performance.md), the
-    padded static forward is no faster than the dynamic one with packed linears, and inductor matched it
-    within noise while costing about a minute of compilation per bucket; ask for "inductor" explicitly.
+    "auto" is CUDA graphs on CUDA and the native decode program (:mod:`hf_paged.hf.native_program`: the
+    step's kernel calls recorded once and replayed, no padding) on CPU, where the model fits it; the engine
+    falls back to the dynamic eager path where it does not. The padded static forward and inductor measured
+    no faster than the dynamic path with packed linears on an AVX2 host (docs/performance.md), inductor at
+    about a minute of compilation per bucket: ask for them explicitly.
     """
     if enforce_eager:
         return None
     if mode == "auto":
-        return "cuda_graphs" if device.type == "cuda" else None
+        return "cuda_graphs" if device.type == "cuda" else ("native" if device.type == "cpu" else None)
     if mode == "cuda_graphs" and device.type != "cuda":
         raise ValueError(f"decode_runner='cuda_graphs' needs a CUDA model, this one is on {device}")
+    if mode == "native" and device.type != "cpu":
+        raise ValueError(f"decode_runner='native' runs CPU kernels, this model is on {device}")
     return mode
 
 

@@ -11,7 +11,7 @@ import torch
 
 from hf_paged import attention, model_patches
 from hf_paged.config import EngineConfig
-from hf_paged.kernels import fused_ops, packed_linear
+from hf_paged.kernels import cpu_attention, fused_ops, packed_linear
 from hf_paged.kernels.packed_model import PackedLinears
 from hf_paged.kv_pool import KVPool, decide_num_blocks, probe_kv_layout
 
@@ -86,12 +86,32 @@ def make_decode_runner(model: torch.nn.Module, cfg: EngineConfig, pool: KVPool, 
     from hf_paged.decode_runner import DecodeGraphRunner, resolve_mode
 
     mode = resolve_mode(cfg.decode_runner, cfg.enforce_eager, pool.device)
-    if mode is None:
+    if mode is None or mode == "native":
         return None
     spec = cfg.speculative_config
     max_q = 1 + (spec.num_speculative_tokens if spec is not None else 0)
     return DecodeGraphRunner(model, pool.kv_caches, pool.block_size, mode, cfg.decode_buckets, max_q, max_model_len,
                              backend)
+
+
+def make_program(model: torch.nn.Module, cfg: EngineConfig, pool: KVPool, backend: str, packed, fused):
+    """The native decode program (``decode_runner`` "native", or "auto" on CPU) where the model fits it, else
+    None; ValueError naming the reason where "native" was asked for explicitly and cannot be had."""
+    from hf_paged.decode_runner import resolve_mode
+    from hf_paged.hf.native_program import DecodeProgram, why_not  # hf/ imports the engine: import late
+
+    if resolve_mode(cfg.decode_runner, cfg.enforce_eager, pool.device) != "native":
+        return None
+    why = why_not(model, fused, packed)
+    if not why and (backend != "cpu" or not pool.supports_native() or not cpu_attention.available(pool.specs[0].dtype)):
+        why = f"it needs the native CPU attention (backend {backend!r}, {cpu_attention.unavailable_reason(pool.specs[0].dtype) or 'pool layout'})"
+    if why:
+        if cfg.decode_runner == "native":
+            raise ValueError(f"decode_runner='native' cannot run this model: {why}")
+        logger.info("native decode program not used: %s", why)
+        return None
+    max_rows = min(cfg.max_num_seqs * cpu_attention.MAX_Q, cfg.max_num_batched_tokens)
+    return DecodeProgram(model, pool.kv_caches, max_rows)
 
 
 def make_proposer(spec, runner, max_model_len: int):

@@ -18,8 +18,8 @@ from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
 from hf_paged.core.scheduler_output import SchedulerOutput
 from hf_paged.engine_setup import (
-    as_prompt_list, build_pool, eos_token_ids, make_decode_runner, make_proposer, maybe_fuse, maybe_prepack, per_prompt,
-    release_model, token_ids,
+    as_prompt_list, build_pool, eos_token_ids, make_decode_runner, make_program, make_proposer, maybe_fuse, maybe_prepack,
+    per_prompt, release_model, token_ids,
 )
 from hf_paged.spec_decode.config import SpeculativeConfig
 from hf_paged.spec_decode.speculator import Speculator, spec_key
@@ -67,6 +67,7 @@ class PagedGenerator(GeneratorOutputs):
             self.packed = maybe_prepack(model, cfg, self.device)
             self.fused = maybe_fuse(model, cfg, self.device, self.pool.specs[0].dtype)
             decode = make_decode_runner(model, cfg, self.pool, self.backend, self.max_model_len)
+            program = make_program(model, cfg, self.pool, self.backend, self.packed, self.fused)
         except BaseException:
             release_model(model, self.packed is not None, self.fused is not None)
             raise
@@ -77,6 +78,7 @@ class PagedGenerator(GeneratorOutputs):
         self.runner = ModelRunner(model, self.pool, self.backend, self.sampler, self.max_model_len,
                                   decode=decode)
         self.runner.fused_layers = self.fused is not None
+        self.runner.program = program
         self.runner.speculator = Speculator()
         try:
             if cfg.speculative_config is not None:

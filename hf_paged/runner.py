@@ -84,6 +84,7 @@ class ModelRunner:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._native_max_q = cpu_attention.MAX_Q if backend == "cpu" and pool.supports_native() else 0
         self.fused_layers = False  # the model's decoder layers have the fused CPU forward (hf/fused_layers.py)
+        self.program = None  # a DecodeProgram (hf/native_program.py) replaying native steps, or None
 
     def update_states(self, out: SchedulerOutput) -> None:
         for seq_id in out.finished_seq_ids:
@@ -137,6 +138,10 @@ class ModelRunner:
         """Forward the packed step (through ``model``, the target by default); logits ``[N, V]`` at the
         sampled rows only."""
         model = self.model if model is None else model
+        if self.program is not None and model is self.model and inputs.metadata.native_step is not None:
+            logits = self.program.run(inputs)
+            if logits is not None:
+                return logits
         kwargs = {METADATA_KWARG: inputs.metadata}
         keep = self._logits_to_keep if model is self.model else "logits_to_keep" in inspect.signature(model.forward).parameters
         if keep:

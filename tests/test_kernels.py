@@ -236,7 +236,8 @@ def test_engine_decode_steps_take_the_native_step(monkeypatch):
     monkeypatch.setattr(cpu_attention.NativeStep, "__call__", lambda self, *a: calls.append(a[0]) or original(self, *a))
     model = make_model("llama")
     prompts = make_prompts(3, seed=2)
-    engine = PagedGenerator(model, attention_backend="cpu", max_num_seqs=4)
+    # eager: the native decode program (tests/test_native_program.py) makes these calls without NativeStep
+    engine = PagedGenerator(model, attention_backend="cpu", max_num_seqs=4, enforce_eager=True)
     got = [o.outputs[0].token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)]
     assert got == [stock_greedy(model, p, 6) for p in prompts]
     assert calls and set(calls) == set(range(model.config.num_hidden_layers))

@@ -16,6 +16,7 @@ from hf_paged.bench.serve import serve
 from hf_paged.models import load_default, parse_dtype
 
 ENGINE = "hf_paged"
+EAGER = "eager"  # --systems name of the engine run with enforce_eager=True (chat, latency)
 
 
 def run_engine(model, prompts, params, engine_kw: dict, track_kv: bool = False) -> tuple[SystemResult, list[list[int]], dict]:
@@ -61,6 +62,14 @@ def run_engine(model, prompts, params, engine_kw: dict, track_kv: bool = False) 
     return SystemResult(ENGINE, sum(len(o) for o in outputs), seconds, {"steps": stats["steps"]}), outputs, stats
 
 
+def _eager_run(model, prompts, params, engine_kw: dict, repeat: int) -> SystemResult:
+    """The engine with ``enforce_eager=True`` (no native decode program, buckets or graphs), for A/B runs."""
+    runs = [run_engine(model, prompts, params, {**engine_kw, "enforce_eager": True}) for _ in range(max(1, repeat))]
+    res = min(runs, key=lambda r: r[0].seconds)[0]
+    res.system = f"{ENGINE}, enforce_eager"
+    return res
+
+
 def _warm_hf(model, prompts, pad_id):
     hf_padded_generate(model, prompts[:2], [4, 4], pad_id, None)
 
@@ -83,6 +92,8 @@ def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, 
     if "generate_batch" in want:
         results.append(best_of(repeat, lambda: hf_generate_batch(model, prompts, limits, eos)[0]))
     params = SamplingParams(max_tokens=128, temperature=0.0)
+    if EAGER in want:
+        results.append(_eager_run(model, prompts, params, dict(max_num_seqs=len(prompts)), repeat))
     runs = [run_engine(model, prompts, params, dict(max_num_seqs=len(prompts))) for _ in range(max(1, repeat))]
     res, outputs, _ = min(runs, key=lambda r: r[0].seconds)
     results.append(res)
@@ -171,6 +182,8 @@ def latency(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = Non
     if "padded" in want:
         results.append(best_of(repeat, lambda: hf_padded_generate(model, [prompt], [256], 0, None, label="HF generate")[0]))
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+    if EAGER in want:
+        results.append(_eager_run(model, [prompt], params, dict(max_num_seqs=4), repeat))
     runs = [run_engine(model, [prompt], params, dict(max_num_seqs=4)) for _ in range(max(1, repeat))]
     results.append(min(runs, key=lambda r: r[0].seconds)[0])
     ms = {r.system: round(1000 * r.seconds / r.tokens, 2) for r in results}

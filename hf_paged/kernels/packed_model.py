@@ -154,7 +154,22 @@ class PackedLinears:
                 pack = packs[id(module)] = packer(weight)
             return pack.linear(x, module.bias)
 
+        forward.packer, forward.dtype = packer, dtype
         return forward
+
+    def current_pack(self, module: torch.nn.Module):
+        """``module``'s pack for its current weight (packed again if the weight changed, as its forward would),
+        or None where it has none: not a linear packed here, or its weight no longer fits the packing."""
+        forward = module.__dict__.get("forward")
+        if id(module) not in self._packs or forward is None or not hasattr(forward, "packer"):
+            return None
+        weight = module.weight
+        pack = self._packs[id(module)]
+        if pack is None or pack.stale(weight):
+            if weight.dtype != forward.dtype or weight.device.type != "cpu" or weight.is_inference():
+                return None
+            pack = self._packs[id(module)] = forward.packer(weight)
+        return pack
 
     def group(self, parent: torch.nn.Module, names: tuple[str, ...]) -> PackedGroup | None:
         """The children ``names`` of ``parent`` packed as one weight (built on first request, then kept), or None

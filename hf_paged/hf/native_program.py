@@ -1,0 +1,362 @@
+"""The CPU twin of a CUDA graph: a fused Llama-family decode step as a fixed list of native kernel calls.
+
+With the fused layers (:mod:`hf_paged.hf.fused_layers`) and our own packed GEMM, a CPU decode step is ~12 C
+calls a layer; what remains around them is Python: transformers' model and layer ``forward`` calls, the
+module hooks machinery, each call's argument checks and tensor allocations, ~80 us a layer on the 2-core
+hosts, i.e. ~2.4 ms of a 30-layer batch-1 step. Like a CUDA graph, a :class:`DecodeProgram` records the step
+once, as the kernel calls with their arguments already converted, over persistent buffers (shared by every
+layer: the step's activations never leave a few arrays), and each step replays that list. Unlike a graph
+it needs no buckets: the row count is one argument the calls read (a shared ``ctypes`` cell), so a batch is
+never padded; the per-step inputs (token ids, cos/sin, slots, block tables) are pointer cells too.
+
+The program computes what the fused forward computes, call for call (same kernels, same inputs, same
+order of the residual adds), so its tokens are those of the eager engine and of stock ``generate``. It
+runs a step only where every sequence takes the native attention (decode, draft verification; the step's
+``native_step``) and falls back to the eager forward for everything else, including any step after a
+weight, bias or norm it recorded was replaced or changed its packing (then it records itself again), a
+module hook was registered, or the thread count changed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from hf_paged import model_patches
+from hf_paged.hf.fused_layers import FAMILIES, GATE_UP, QKV
+from hf_paged.kernels import cpu_attention, fused_ops
+from hf_paged.kernels.native_gemm import NATIVE_GEMM, NativePackedWeight
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_MIN_ROWS = 16
+
+
+def why_not(model: torch.nn.Module, fused, packing) -> str:
+    """Why ``model`` cannot run as a :class:`DecodeProgram` ("" if it can)."""
+    name = type(model).__name__
+    family = next((f for f in FAMILIES if name == f"{f}ForCausalLM"), None)
+    if family is None:
+        return f"{name} is not one of " + ", ".join(f"{f}ForCausalLM" for f in FAMILIES)
+    base = getattr(model, "model", None)
+    if type(base).__name__ != f"{family}Model":
+        return f"model.model is {type(base).__name__}, expected {family}Model"
+    if fused is None or packing is None:
+        return "it needs the fused layers and packed linears"
+    layers = list(getattr(base, "layers", ()))
+    if not layers or any(layer not in fused.layers for layer in layers):
+        return "not every decoder layer has the fused forward"
+    if type(base.embed_tokens) is not torch.nn.Embedding or type(model.lm_head) is not torch.nn.Linear:
+        return "the embedding or the LM head is not a plain nn.Embedding / nn.Linear"
+    if type(base.norm).__name__ != f"{family}RMSNorm" or getattr(base.norm, "variance_epsilon", None) is None:
+        return f"the final norm is {type(base.norm).__name__}, expected {family}RMSNorm"
+    if getattr(base, "rotary_emb", None) is None:
+        return "the model has no rotary_emb"
+    dtype = base.embed_tokens.weight.dtype
+    if dtype not in _DTYPES or packing.kinds.get(dtype) != "native":
+        return f"{str(dtype).removeprefix('torch.')} linears are not packed for the native GEMM here"
+    if any(p.dtype != dtype or p.device.type != "cpu" for p in model.parameters()):
+        return "its parameters are not all CPU tensors of one dtype"
+    return _hooks(model) or ""
+
+
+def _hooks(model: torch.nn.Module) -> str:
+    """A reason if ``model`` or any of its modules has forward hooks (the program would skip them)."""
+    m = torch.nn.modules.module
+    if m._global_forward_hooks or m._global_forward_pre_hooks:
+        return "global module forward hooks are registered"
+    for name, module in model.named_modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"module {name or type(model).__name__} has forward hooks"
+    return ""
+
+
+class _Recorded:
+    """A tensor the program read a pointer of: still the same object at the same version?"""
+
+    __slots__ = ("owner", "key", "tensor", "version")
+
+    def __init__(self, owner: dict, key: str) -> None:
+        self.owner, self.key = owner, key
+        self.tensor = owner[key]
+        self.version = None if self.tensor is None or self.tensor.is_inference() else self.tensor._version
+
+    def same(self) -> bool:
+        t = self.owner.get(self.key)
+        return t is self.tensor and (self.version is None or t._version == self.version)
+
+
+class DecodeProgram:
+    """One model's decode steps replayed as native calls over persistent buffers (see the module docstring).
+
+    Args:
+        model: A Llama/Mistral/Qwen2 causal LM (checked with :func:`why_not`).
+        kv_caches: The engine pool's per-layer ``(k_cache, v_cache)``.
+        max_rows: The most tokens a native step can have (``max_num_seqs`` x the longest native query).
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_caches, max_rows: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.max_rows = max_rows
+        self.capacity = 0
+        self.num_runs = 0  # steps replayed
+        self.num_records = 0  # times the call list was (re)built
+        self.threads = 0
+        self.why_not = ""  # why the last step could not run as the program ("" when it could)
+        self._ops: list = []
+        self._recorded: list[_Recorded] = []
+        self._groups: list = []
+        self._singles: list = []
+        self._windows: list = []
+        self.logits_capacity = 0
+        self._rows, self._sampled = ctypes.c_int(0), ctypes.c_int(0)
+        self._index: torch.Tensor | None = None
+        self._tokens = ctypes.c_int64(0)
+        self._cos, self._sin, self._slots = ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_void_p(0)
+        self._tables, self._lens, self._cu, self._ids = (ctypes.c_void_p(0) for _ in range(4))
+        self._table_stride, self._num_ids, self._max_q = ctypes.c_int64(0), ctypes.c_int(0), ctypes.c_int(0)
+        self._act: list[torch.Tensor] = []  # [gate rows, up rows] of this step: read by the SiLU-mul op
+        self._layer_forwards: list = []
+        self._packing = None
+
+    # -- per step ----------------------------------------------------------------------------------
+    def run(self, inputs) -> torch.Tensor | None:
+        """Logits ``[len(logits_indices), V]`` of the step ``inputs`` (a runner ``StepInputs``), or None where
+        this step is not one the program runs (the caller runs the eager forward)."""
+        meta = inputs.metadata
+        step = meta.native_step
+        rows = inputs.input_ids.shape[1]
+        index = inputs.logits_indices
+        sampled = index.numel()  # the sampled rows are increasing and distinct: as many as rows is every row
+        if step is None or meta.kv_caches is not self.kv_caches or rows > self.max_rows or rows == 0:
+            return None
+        if rows > self.capacity or sampled > self.logits_capacity or not self._valid():
+            grow = lambda need, have: max(need, min(self.max_rows, max(_MIN_ROWS, 2 * have)))  # noqa: E731
+            if not self._record(grow(rows, self.capacity), grow(sampled, self.logits_capacity)):
+                return None
+        base = self.model.model
+        x = self._x[:rows]
+        torch.index_select(base.embed_tokens.weight, 0, inputs.input_ids[0], out=x)
+        cos, sin = base.rotary_emb(x[None], inputs.position_ids)
+        if cos.shape != (1, rows, self.head_dim) or cos.dtype != x.dtype or not cos.is_contiguous() or (
+            sin.shape != cos.shape or sin.dtype != x.dtype or not sin.is_contiguous()
+        ):
+            return None
+        self._rows.value = rows
+        self._sampled.value = sampled
+        self._index = None if sampled == rows else index
+        self._tokens.value = rows
+        self._cos.value, self._sin.value = cos.data_ptr(), sin.data_ptr()
+        self._slots.value = step.slot_mapping.data_ptr()
+        (self._tables.value, self._table_stride.value, self._lens.value, self._cu.value, self._ids.value,
+         self._num_ids.value) = step.step_args
+        self._max_q.value = step.max_q
+        gate_up = self._gate_up[:rows]
+        self._act[:] = (gate_up[:, : self.intermediate], gate_up[:, self.intermediate :])
+        for fn, args in self._ops if sampled else self._ops[:-1]:  # no sampled row: no LM head
+            rc = fn(*args)
+            if rc:  # the kernels return nonzero when they cannot allocate scratch or meet a slot past the pool
+                raise RuntimeError(f"native decode program: {getattr(fn, '__name__', fn)} returned {rc}")
+        self.num_runs += 1
+        return self._logits[:sampled]
+
+    def _valid(self) -> bool:
+        """Whether the recorded calls still read the model's current weights and settings."""
+        if self.threads != torch.get_num_threads():
+            return False
+        for recorded in self._recorded:
+            if not recorded.same():
+                return False
+        for group, pack in self._groups:
+            if not group.usable() or group.pack is not pack:
+                return False
+        for window, value in self._windows:
+            if window() != value:
+                return False
+        for layer, forward in self._layer_forwards:  # the fused forward taken off (the layers run transformers')
+            if layer.__dict__.get("forward") is not forward:
+                return False
+        return model_patches.current(self.model, "packing") is self._packing and not _hooks_fast(self._modules)
+
+    # -- recording ---------------------------------------------------------------------------------
+    def _record(self, capacity: int, logits_capacity: int) -> bool:
+        """Build the call list for up to ``capacity`` rows, ``logits_capacity`` of them sampled; False (and the
+        eager path) where it cannot."""
+        packing = model_patches.current(self.model, "packing")
+        fused = model_patches.current(self.model, "fused_layers")
+        why = why_not(self.model, fused, packing)
+        if not why:
+            try:
+                self._build(capacity, logits_capacity, packing)
+            except _Unfit as e:
+                why = str(e)
+        if why:
+            self._ops = []
+            self.capacity = self.logits_capacity = 0
+            if why != self.why_not:  # said once per reason; every step tries again (the reason may go away)
+                logger.info("native decode program not used now (steps run eagerly): %s", why)
+            self.why_not = why
+            return False
+        self.why_not = ""
+        self.num_records += 1
+        return True
+
+    def _build(self, capacity: int, logits_capacity: int, packing) -> None:
+        model, base = self.model, self.model.model
+        layers = list(base.layers)
+        dtype = base.embed_tokens.weight.dtype
+        dt = _DTYPES[dtype]
+        elem = torch.tensor([], dtype=dtype).element_size()
+        threads = torch.get_num_threads()
+        attn0 = layers[0].self_attn
+        D = attn0.head_dim
+        hidden = base.embed_tokens.weight.shape[1]
+        gemm = NATIVE_GEMM.load()
+        norms, attn_lib = fused_ops.LIBRARY.load(), cpu_attention.LIBRARY.load()
+        if gemm is None or norms is None or attn_lib is None:
+            raise _Unfit("a native library is not built here")
+        gemm_fn = gemm.hfp_gemm if dtype == torch.float32 else gemm.hfp_gemm_bf16
+        recorded: list[_Recorded] = []
+        groups, keep = [], []
+
+        def pack_of(module: torch.nn.Linear):
+            # a single projection's current pack (packed again if its weight changed), as its forward would
+            pack = packing.current_pack(module)
+            if not isinstance(pack, NativePackedWeight):
+                raise _Unfit(f"{type(module).__name__} weight {tuple(module.weight.shape)} is not natively packed")
+            recorded.append(_Recorded(module._parameters, "weight"))
+            recorded.append(_Recorded(module._parameters, "bias"))
+            return pack, module.bias
+
+        def group_of(parent, names):
+            group = packing.group(parent, names)
+            if group is None or not isinstance(group.pack, NativePackedWeight):
+                raise _Unfit(f"{type(parent).__name__} {'/'.join(names)} are not packed as one native weight")
+            groups.append((group, group.pack))
+            return group.pack, group.bias
+
+        def gemm_op(pack, bias, x: torch.Tensor, x_stride: int, y: torch.Tensor, rows=self._rows):
+            if pack.dtype != dtype or (dtype == torch.bfloat16 and pack.k_even != pack.in_features):
+                raise _Unfit("a projection with an odd input width in bf16")
+            if bias is not None:
+                bias = bias.float().contiguous()
+                keep.append(bias)
+            return gemm_fn, (x.data_ptr(), x_stride, pack.packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                             y.data_ptr(), y.shape[1], rows, pack.out_features, pack.in_features, threads)
+
+        def norm_op(norm, x, out, residual=None, total=None):
+            recorded.append(_Recorded(norm._parameters, "weight"))
+            if norm.weight.dtype != dtype or not norm.weight.is_contiguous():
+                raise _Unfit("an RMSNorm weight of another dtype or layout")
+            return norms.hfp_rms_norm, (
+                x.data_ptr(), x.shape[1], 0 if residual is None else residual.data_ptr(), hidden,
+                0 if total is None else total.data_ptr(), hidden, norm.weight.data_ptr(), out.data_ptr(), hidden,
+                self._rows, hidden, float(norm.variance_epsilon), dt, threads,
+            )
+
+        qkv0 = packing.group(attn0, QKV)
+        gu0 = packing.group(layers[0].mlp, GATE_UP)
+        if qkv0 is None or gu0 is None:
+            raise _Unfit("the q/k/v or gate/up projections are not packed as one weight")
+        q_w, k_w, v_w = qkv0.sizes
+        qkv_w, inter = q_w + k_w + v_w, gu0.sizes[0]
+        if q_w % D or k_w % D or k_w != v_w or gu0.sizes[1] != inter:
+            raise _Unfit(f"projection widths {qkv0.sizes} / {gu0.sizes} do not fit head_dim {D}")
+        H, KVH = q_w // D, k_w // D
+        new = lambda width: torch.zeros(capacity, width, dtype=dtype)  # noqa: E731
+        self._x, self._r, self._h = new(hidden), new(hidden), new(hidden)
+        self._qkv, self._a, self._o = new(qkv_w), new(q_w), new(hidden)
+        self._gate_up, self._m = new(2 * inter), new(hidden)
+        V = model.lm_head.out_features
+        self._logits = torch.zeros(logits_capacity, V, dtype=dtype)
+        X, R, Hn, QKVb, A, O, GU, M = self._x, self._r, self._h, self._qkv, self._a, self._o, self._gate_up, self._m
+        ops: list = []
+        windows = []
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.head_dim != D:
+                raise _Unfit("decoder layers of different head sizes")
+            k_cache, v_cache = self.kv_caches[attn.layer_idx]
+            if (k_cache.dtype != dtype or v_cache.dtype != dtype or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+                    or tuple(k_cache.shape[2:]) != (KVH, D) or v_cache.shape != k_cache.shape or H % KVH):
+                raise _Unfit(f"layer {i}'s KV pool {tuple(k_cache.shape)} {k_cache.dtype} does not fit {KVH} x {D}")
+            window = _window_getter(attn)
+            windows.append((window, window()))
+            if i == 0:
+                ops.append(norm_op(layer.input_layernorm, X, Hn))
+            else:  # this layer's input = the last one's residual + its MLP output, added in the norm's pass
+                ops.append(norm_op(layer.input_layernorm, M, Hn, residual=R, total=X))
+            qkv_pack, qkv_bias = group_of(attn, QKV)
+            if qkv_pack.out_features != qkv_w or qkv_pack.in_features != hidden:
+                raise _Unfit("decoder layers of different projection widths")
+            ops.append(gemm_op(qkv_pack, qkv_bias, Hn, hidden, QKVb))
+            ops.append((norms.hfp_rope, (
+                QKVb.data_ptr(), qkv_w, H, QKVb.data_ptr() + q_w * elem, qkv_w, KVH, self._cos, self._sin, D,
+                self._rows, D, dt, threads,
+            )))
+            ops.append((attn_lib.hfp_store_kv, (
+                QKVb.data_ptr() + q_w * elem, QKVb.data_ptr() + (q_w + k_w) * elem, qkv_w * elem, qkv_w * elem,
+                k_cache.data_ptr(), v_cache.data_ptr(), self._slots, self._tokens, KVH * D * elem,
+                k_cache.shape[0] * k_cache.shape[1],
+            )))
+            keep.append((k_cache, v_cache))
+            ops.append((attn_lib.hfp_paged_attention, (
+                QKVb.data_ptr(), qkv_w, D, k_cache.data_ptr(), v_cache.data_ptr(), self._tables, self._table_stride,
+                self._lens, self._cu, self._ids, self._num_ids, A.data_ptr(), q_w, D, H, KVH, D, k_cache.shape[1],
+                float(attn.scaling), int(windows[-1][1] or 0), 0.0, dt, self._max_q, threads,
+            )))
+            ops.append(gemm_op(*pack_of(attn.o_proj), A, q_w, O))
+            ops.append(norm_op(layer.post_attention_layernorm, O, Hn, residual=X, total=R))
+            gu_pack, gu_bias = group_of(mlp, GATE_UP)
+            if gu_pack.out_features != 2 * inter:
+                raise _Unfit("decoder layers of different MLP widths")
+            ops.append(gemm_op(gu_pack, gu_bias, Hn, hidden, GU))
+            ops.append((self._silu_mul, ()))
+            ops.append(gemm_op(*pack_of(mlp.down_proj), GU, 2 * inter, M))
+        ops.append((self._final_norm, ()))
+        ops.append(gemm_op(*pack_of(model.lm_head), Hn, hidden, self._logits, rows=self._sampled))  # stays last
+        recorded.append(_Recorded(base.embed_tokens._parameters, "weight"))
+        self._ops, self._recorded, self._groups, self._windows, self._keep = ops, recorded, groups, windows, keep
+        # the modules the eager forward calls (and whose hooks it would run) that the program does not
+        self._modules = [model, base, base.embed_tokens, base.rotary_emb, base.norm, model.lm_head, *layers,
+                         *(layer.self_attn.o_proj for layer in layers), *(layer.mlp.down_proj for layer in layers)]
+        self._layer_forwards = [(layer, layer.__dict__.get("forward")) for layer in layers]
+        self._packing = packing
+        self.head_dim, self.intermediate, self.threads = D, inter, threads
+        self.capacity, self.logits_capacity = capacity, logits_capacity
+
+    def _final_norm(self) -> None:
+        # as the eager forward: the last residual add, then transformers' own norm module (its torch reduction,
+        # not the C kernel's: in fp32 the two sums round differently), on the sampled rows only
+        n = self._rows.value
+        total = torch.add(self._r[:n], self._m[:n], out=self._x[:n])
+        if self._index is not None:
+            total = total.index_select(0, self._index)
+        self._h[: total.shape[0]].copy_(self.model.model.norm(total[None])[0])
+
+    def _silu_mul(self) -> None:
+        gate, up = self._act
+        torch.nn.functional.silu(gate, inplace=True).mul_(up)  # the fused forward's two roundings, in place
+
+
+class _Unfit(Exception):
+    """The model's current state does not fit the program (the eager path serves)."""
+
+
+def _window_getter(attn: torch.nn.Module):
+    # as the fused forward reads it: Mistral from its config at each call, Qwen2 per layer, Llama none
+    if type(attn).__name__ == "MistralAttention":
+        return lambda: getattr(attn.config, "sliding_window", None)
+    return lambda: getattr(attn, "sliding_window", None)
+
+
+def _hooks_fast(modules: list) -> bool:
+    """Whether a forward hook was registered on the modules whose ``__call__`` the program skips at the top."""
+    m = torch.nn.modules.module
+    if m._global_forward_hooks or m._global_forward_pre_hooks:
+        return True
+    return any(mod._forward_hooks or mod._forward_pre_hooks for mod in modules)

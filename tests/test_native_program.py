@@ -1,0 +1,151 @@
+"""The native decode program (hf/native_program.py): recorded kernel calls replayed per decode step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from hf_paged import PagedGenerator, SamplingParams
+from hf_paged.kernels.native_gemm import NATIVE_GEMM
+from tests.helpers import make_model, make_prompts, stock_greedy
+
+# the program runs on the native GEMM: force that packing (a tiny model's start-up timing may pick F.linear)
+NATIVE = dict(prepack_weights="native")
+
+
+def _bf16_gemm() -> bool:
+    lib = NATIVE_GEMM.load()
+    return lib is not None and bool(lib.hfp_gemm_bf16_ok())
+
+
+def _tokens(outs):
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])  # qwen2: q/k/v biases; mistral: window 48
+def test_program_matches_stock_generate_and_the_eager_engine(arch):
+    model = make_model(arch, seed=11)
+    # three slots for five prompts: requests join and leave while others decode; lengths around the window
+    prompts = make_prompts(5, lengths=[1, 16, 47, 49, 70], seed=3)
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    with PagedGenerator(model, num_blocks=96, max_num_seqs=3, **NATIVE) as engine:
+        program = engine.runner.program
+        assert program is not None, "the program was not made for a fused model with native packs"
+        outs = _tokens(engine.generate(prompts, params, use_tqdm=False))
+        assert program.num_runs > 0 and program.num_records == 1
+    with PagedGenerator(model, num_blocks=96, max_num_seqs=3, enforce_eager=True, **NATIVE) as eager:
+        assert eager.runner.program is None
+        assert _tokens(eager.generate(prompts, params, use_tqdm=False)) == outs
+    for prompt, tokens in zip(prompts, outs):
+        assert tokens == stock_greedy(model, prompt, 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_program_logits_are_the_eager_logits_bitwise(dtype):
+    if dtype == torch.bfloat16 and not _bf16_gemm():
+        pytest.skip("the native bf16 GEMM needs AVX-512 BF16")
+    model = make_model("qwen2", seed=12, dtype=dtype)
+    prompts = make_prompts(4, lengths=[3, 20, 33, 9], seed=5)
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5)
+    results = []
+    for eager in (False, True):
+        with PagedGenerator(model, num_blocks=64, max_num_seqs=4, enforce_eager=eager, **NATIVE) as engine:
+            outs = engine.generate(prompts, params, use_tqdm=False)
+            assert (engine.runner.program is not None and engine.runner.program.num_runs > 0) != eager
+            results.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
+    assert results[0] == results[1]
+
+
+def test_program_verifies_drafts():
+    """Speculative steps (1 + k query tokens a sequence) replay too, and keep the stock tokens."""
+    model = make_model("llama", seed=13)
+    prompts = [p * 3 for p in make_prompts(3, lengths=[6, 9, 4], seed=6)]  # repeats: the n-gram drafts hit
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    with PagedGenerator(model, num_blocks=64, max_num_seqs=3, speculative_config=spec, **NATIVE) as engine:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+        assert engine.runner.program.num_runs > 0
+        assert engine.stats().spec_num_draft_tokens > 0
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, 16)
+
+
+def test_program_follows_changed_weights_threads_and_hooks():
+    model = make_model("llama", seed=14)
+    prompts = make_prompts(3, lengths=[5, 18, 30], seed=7)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    def check(engine):
+        for prompt, out in zip(prompts, engine.generate(prompts, params, use_tqdm=False)):
+            assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, 8)
+
+    threads = torch.get_num_threads()
+    with PagedGenerator(model, num_blocks=64, max_num_seqs=3, **NATIVE) as engine:
+        program = engine.runner.program
+        check(engine)
+        runs, records = program.num_runs, program.num_records
+        with torch.no_grad():  # in place (a training step), and replaced objects (load a new tensor)
+            model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+            model.model.layers[1].post_attention_layernorm.weight.add_(0.25)
+            model.model.layers[1].mlp.down_proj.weight = torch.nn.Parameter(model.model.layers[1].mlp.down_proj.weight * 0.5)
+            model.model.norm.weight = torch.nn.Parameter(model.model.norm.weight.clone() + 0.5)
+        check(engine)
+        assert program.num_runs > runs and program.num_records > records
+        torch.set_num_threads(1)
+        try:
+            records = program.num_records
+            check(engine)
+            assert program.num_records == records + 1
+        finally:
+            torch.set_num_threads(threads)
+        seen = []
+        handle = model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda *a: seen.append(1))
+        try:
+            runs = program.num_runs
+            check(engine)
+            assert seen and program.num_runs == runs, "a hooked module was skipped by the program"
+            assert "forward hooks" in program.why_not
+        finally:
+            handle.remove()
+        check(engine)
+        assert program.num_runs > runs and program.why_not == ""
+
+
+def test_program_grows_its_buffers_and_writes_only_the_step_slots():
+    model = make_model("llama", seed=15)
+    prompts = make_prompts(20, lengths=[(7 * i) % 23 + 1 for i in range(20)], seed=8)
+    with PagedGenerator(model, num_blocks=128, max_num_seqs=24, enable_prefix_caching=False, **NATIVE) as engine:
+        program = engine.runner.program
+        engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        assert program.capacity == 16 and program.num_records == 1
+        for k, v in engine.pool.kv_caches:  # slots the next requests are not given must stay NaN
+            k.fill_(float("nan"))
+            v.fill_(float("nan"))
+        outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+        assert program.capacity >= 20 and program.num_records >= 2
+        for prompt, o in zip(prompts, outs):
+            assert list(o.outputs[0].token_ids) == stock_greedy(model, prompt, 6)
+        # each sequence wrote its prompt and every sampled token but the last, once
+        written = sum(len(p) + 5 for p in prompts)
+        for k, v in engine.pool.kv_caches:
+            assert int((~k.isnan().flatten(2).all(-1)).sum()) == written
+            assert int((~v.isnan().flatten(2).all(-1)).sum()) == written
+
+
+def test_decode_runner_native_refuses_models_it_cannot_run():
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16,
+    )).eval()
+    with pytest.raises(ValueError, match="decode_runner='native' cannot run this model: Gemma2ForCausalLM is not one of"):
+        PagedGenerator(gemma, num_blocks=16, decode_runner="native")
+    assert gemma.config._attn_implementation != "hf_paged"  # the failed start gave everything back
+    model = make_model("llama", seed=16)
+    with pytest.raises(ValueError, match="needs the fused layers"):
+        PagedGenerator(model, num_blocks=16, decode_runner="native", fuse_layers=False)
+    with PagedGenerator(gemma, num_blocks=16) as engine:  # auto: the eager path, no error
+        assert engine.runner.program is None
+    with PagedGenerator(model, num_blocks=16, decode_runner="native", enforce_eager=True, **NATIVE) as engine:
+        assert engine.runner.program is None
+    with pytest.raises(ValueError, match="decode_runner must be one of"):
+        PagedGenerator(model, num_blocks=16, decode_runner="replay")
