@@ -98,20 +98,24 @@ def make_program(model: torch.nn.Module, cfg: EngineConfig, pool: KVPool, backen
     """The native decode program (``decode_runner`` "native", or "auto" on CPU) where the model fits it, else
     None; ValueError naming the reason where "native" was asked for explicitly and cannot be had."""
     from hf_paged.decode_runner import resolve_mode
-    from hf_paged.hf.native_program import DecodeProgram, why_not  # hf/ imports the engine: import late
+    from hf_paged.hf.native_program import DecodeProgram, hooks, why_not  # hf/ imports the engine: import late
 
     if resolve_mode(cfg.decode_runner, cfg.enforce_eager, pool.device) != "native":
         return None
     why = why_not(model, fused, packed)
     if not why and (backend != "cpu" or not pool.supports_native() or not cpu_attention.available(pool.specs[0].dtype)):
         why = f"it needs the native CPU attention (backend {backend!r}, {cpu_attention.unavailable_reason(pool.specs[0].dtype) or 'pool layout'})"
+    program = None
+    if not why:
+        program = DecodeProgram(model, pool.kv_caches, min(cfg.max_num_seqs * cpu_attention.MAX_Q, cfg.max_num_batched_tokens))
+        if not hooks(model):  # a module hook is passing (steps run eagerly while it is there); else record now
+            why = program.prepare()
     if why:
         if cfg.decode_runner == "native":
             raise ValueError(f"decode_runner='native' cannot run this model: {why}")
         logger.info("native decode program not used: %s", why)
         return None
-    max_rows = min(cfg.max_num_seqs * cpu_attention.MAX_Q, cfg.max_num_batched_tokens)
-    return DecodeProgram(model, pool.kv_caches, max_rows)
+    return program
 
 
 def make_proposer(spec, runner, max_model_len: int):

@@ -149,3 +149,14 @@ def test_decode_runner_native_refuses_models_it_cannot_run():
         assert engine.runner.program is None
     with pytest.raises(ValueError, match="decode_runner must be one of"):
         PagedGenerator(model, num_blocks=16, decode_runner="replay")
+
+
+def test_auto_is_the_program_on_cpu_and_graphs_on_cuda():
+    from hf_paged.decode_runner import resolve_mode
+
+    assert resolve_mode("auto", False, torch.device("cpu")) == "native"
+    assert resolve_mode("auto", False, torch.device("cuda")) == "cuda_graphs"
+    assert resolve_mode("auto", True, torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="decode_runner='native' runs CPU kernels, this model is on cuda"):
+        resolve_mode("native", False, torch.device("cuda"))
+

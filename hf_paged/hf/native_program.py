@@ -60,10 +60,10 @@ def why_not(model: torch.nn.Module, fused, packing) -> str:
         return f"{str(dtype).removeprefix('torch.')} linears are not packed for the native GEMM here"
     if any(p.dtype != dtype or p.device.type != "cpu" for p in model.parameters()):
         return "its parameters are not all CPU tensors of one dtype"
-    return _hooks(model) or ""
+    return ""
 
 
-def _hooks(model: torch.nn.Module) -> str:
+def hooks(model: torch.nn.Module) -> str:
     """A reason if ``model`` or any of its modules has forward hooks (the program would skip them)."""
     m = torch.nn.modules.module
     if m._global_forward_hooks or m._global_forward_pre_hooks:
@@ -107,6 +107,7 @@ class DecodeProgram:
         self.num_records = 0  # times the call list was (re)built
         self.threads = 0
         self.why_not = ""  # why the last step could not run as the program ("" when it could)
+        self._failures = self._retry_in = 0
         self._ops: list = []
         self._recorded: list[_Recorded] = []
         self._groups: list = []
@@ -123,6 +124,12 @@ class DecodeProgram:
         self._layer_forwards: list = []
         self._packing = None
 
+    def prepare(self) -> str:
+        """Record the program for a first small step now (at engine start); the reason it cannot ("" if it can)."""
+        self._record(_MIN_ROWS, _MIN_ROWS)
+        self._failures = self._retry_in = 0
+        return self.why_not
+
     # -- per step ----------------------------------------------------------------------------------
     def run(self, inputs) -> torch.Tensor | None:
         """Logits ``[len(logits_indices), V]`` of the step ``inputs`` (a runner ``StepInputs``), or None where
@@ -135,6 +142,9 @@ class DecodeProgram:
         if step is None or meta.kv_caches is not self.kv_caches or rows > self.max_rows or rows == 0:
             return None
         if rows > self.capacity or sampled > self.logits_capacity or not self._valid():
+            if self._retry_in:  # the last recording failed: eager steps until the next try
+                self._retry_in -= 1
+                return None
             grow = lambda need, have: max(need, min(self.max_rows, max(_MIN_ROWS, 2 * have)))  # noqa: E731
             if not self._record(grow(rows, self.capacity), grow(sampled, self.logits_capacity)):
                 return None
@@ -188,7 +198,7 @@ class DecodeProgram:
         eager path) where it cannot."""
         packing = model_patches.current(self.model, "packing")
         fused = model_patches.current(self.model, "fused_layers")
-        why = why_not(self.model, fused, packing)
+        why = why_not(self.model, fused, packing) or hooks(self.model)
         if not why:
             try:
                 self._build(capacity, logits_capacity, packing)
@@ -197,11 +207,15 @@ class DecodeProgram:
         if why:
             self._ops = []
             self.capacity = self.logits_capacity = 0
-            if why != self.why_not:  # said once per reason; every step tries again (the reason may go away)
+            if why != self.why_not:  # said once per reason
                 logger.info("native decode program not used now (steps run eagerly): %s", why)
             self.why_not = why
+            # the reason may go away (a hook removed, weights back to one dtype): try again, less and less often
+            self._failures += 1
+            self._retry_in = min(2 ** self._failures, 256)
             return False
         self.why_not = ""
+        self._failures = self._retry_in = 0
         self.num_records += 1
         return True
 
