@@ -282,3 +282,16 @@ def test_bad_prepack_value_leaves_model_untouched():
     with pytest.raises(ValueError, match="prepack_weights"):
         PagedGenerator(model, num_blocks=16, prepack_weights="fast")
     assert model.config._attn_implementation == before
+
+
+def test_packing_choice_margins():
+    from hf_paged.kernels.packed_linear import choose_kind
+
+    assert choose_kind({"torch": 100, "onednn": 95, "native": 97}) == "torch"  # not clearly faster than F.linear
+    assert choose_kind({"torch": 100, "onednn": 80, "native": 70}) == "native"
+    # within 15% of the fastest: native, whose packs the native decode program needs
+    assert choose_kind({"torch": 100, "onednn": 60, "native": 68}) == "native"
+    assert choose_kind({"torch": 100, "onednn": 50, "native": 68}) == "onednn"
+    assert choose_kind({"torch": 100, "mkl": 50}) == "mkl"
+    assert choose_kind({"torch": 100, "upcast": 70, "onednn": 78}) == "onednn"  # upcast needs 25%: twice the memory
+

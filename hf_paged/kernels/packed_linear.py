@@ -251,8 +251,20 @@ def _cold_bytes() -> int:
         size = max(size, int(text.rstrip("KMG") or 0) * scale)
     return min(512 << 20, max(32 << 20, 2 * size)) if size else 96 << 20
 _MARGIN = {"upcast": 1.25}
+# "native" is kept unless another packing times this much faster: the native decode program
+# (hf/native_program.py), which needs native packs, saved far more than that (batch 1: 23-40% of a step)
+NATIVE_PREFERENCE = 1.15
 _upcast_inner: str | None = None
 _timings: dict[tuple, dict[str, float]] = {}  # fastest_kind's key -> kind -> seconds per call
+
+
+def choose_kind(timings: dict[str, float]) -> str:
+    """The kind to use given seconds per call of each ("torch" = plain ``F.linear``)."""
+    # A packing costs memory (upcast: twice the weights): keep it only if clearly faster than F.linear.
+    best = min(timings, key=lambda k: timings[k] * (1.0 if k == "torch" else _MARGIN.get(k, 1.1)))
+    if best not in ("torch", "native") and timings.get("native", float("inf")) <= timings[best] * NATIVE_PREFERENCE:
+        best = "native"  # within the margin: only native packs let the native decode program run
+    return best
 
 
 def fastest_kind(
@@ -296,8 +308,7 @@ def fastest_kind(
         del calls
     del weights
     _release_freed_memory()
-    # A packing costs memory (upcast: twice the weights): keep it only if clearly faster than F.linear.
-    best = min(timings, key=lambda k: timings[k] * (1.0 if k == "torch" else _MARGIN.get(k, 1.1)))
+    best = choose_kind(timings)
     _timings[key] = timings
     logger.info(
         "%s linear %dx%d, %d rows: %s -> %s", str(dtype).removeprefix("torch."), out_features, in_features, rows,
