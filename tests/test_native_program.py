@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from hf_paged import PagedGenerator, SamplingParams
+from hf_paged.kernels import packed_linear
 from hf_paged.kernels.native_gemm import NATIVE_GEMM
 from tests.helpers import make_model, make_prompts, stock_greedy
 
@@ -41,16 +42,21 @@ def test_program_matches_stock_generate_and_the_eager_engine(arch):
         assert tokens == stock_greedy(model, prompt, 20)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_program_logits_are_the_eager_logits_bitwise(dtype):
-    if dtype == torch.bfloat16 and not _bf16_gemm():
-        pytest.skip("the native bf16 GEMM needs AVX-512 BF16")
+@pytest.mark.parametrize("dtype,kind", [
+    (torch.float32, "native"), (torch.bfloat16, "native"), (torch.float32, "onednn"), (torch.bfloat16, "onednn"),
+    (torch.float32, "mkl"), (torch.bfloat16, "upcast"),
+])
+def test_program_logits_are_the_eager_logits_bitwise(dtype, kind):
+    """Every packing: native packs are C calls in the program, the others their own linear into its buffers."""
+    if not packed_linear.available(kind, dtype):
+        pytest.skip(f"{kind} packing of {dtype} does not work here: {packed_linear.unavailable_reason(kind, dtype)}")
     model = make_model("qwen2", seed=12, dtype=dtype)
     prompts = make_prompts(4, lengths=[3, 20, 33, 9], seed=5)
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5)
     results = []
     for eager in (False, True):
-        with PagedGenerator(model, num_blocks=64, max_num_seqs=4, enforce_eager=eager, **NATIVE) as engine:
+        with PagedGenerator(model, num_blocks=64, max_num_seqs=4, enforce_eager=eager, prepack_weights=kind) as engine:
+            assert engine.packed.kinds[dtype] == kind
             outs = engine.generate(prompts, params, use_tqdm=False)
             assert (engine.runner.program is not None and engine.runner.program.num_runs > 0) != eager
             results.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])

@@ -7,7 +7,9 @@ hosts, i.e. ~2.4 ms of a 30-layer batch-1 step. Like a CUDA graph, a :class:`Dec
 once, as the kernel calls with their arguments already converted, over persistent buffers (shared by every
 layer: the step's activations never leave a few arrays), and each step replays that list. Unlike a graph
 it needs no buckets: the row count is one argument the calls read (a shared ``ctypes`` cell), so a batch is
-never padded; the per-step inputs (token ids, cos/sin, slots, block tables) are pointer cells too.
+never padded; the per-step inputs (token ids, cos/sin, slots, block tables) are pointer cells too. Linears
+packed for our GEMM are C calls like the rest; other packings (oneDNN, MKL, upcast) run their own ``linear``
+from the program, the result copied into the step's buffer.
 
 The program computes what the fused forward computes, call for call (same kernels, same inputs, same
 order of the residual adds), so its tokens are those of the eager engine and of stock ``generate``. It
@@ -31,7 +33,7 @@ from hf_paged.kernels.native_gemm import NATIVE_GEMM, NativePackedWeight
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C kernels' dtype codes
 _MIN_ROWS = 16
 
 
@@ -56,8 +58,8 @@ def why_not(model: torch.nn.Module, fused, packing) -> str:
     if getattr(base, "rotary_emb", None) is None:
         return "the model has no rotary_emb"
     dtype = base.embed_tokens.weight.dtype
-    if dtype not in _DTYPES or packing.kinds.get(dtype) != "native":
-        return f"{str(dtype).removeprefix('torch.')} linears are not packed for the native GEMM here"
+    if dtype not in _DTYPES or packing.kinds.get(dtype, "torch") == "torch":
+        return f"its {str(dtype).removeprefix('torch.')} linears are not packed here (prepack_weights)"
     if any(p.dtype != dtype or p.device.type != "cpu" for p in model.parameters()):
         return "its parameters are not all CPU tensors of one dtype"
     return ""
@@ -229,33 +231,35 @@ class DecodeProgram:
         attn0 = layers[0].self_attn
         D = attn0.head_dim
         hidden = base.embed_tokens.weight.shape[1]
-        gemm = NATIVE_GEMM.load()
+        gemm = NATIVE_GEMM.load()  # None: no native packs either
         norms, attn_lib = fused_ops.LIBRARY.load(), cpu_attention.LIBRARY.load()
-        if gemm is None or norms is None or attn_lib is None:
-            raise _Unfit("a native library is not built here")
-        gemm_fn = gemm.hfp_gemm if dtype == torch.float32 else gemm.hfp_gemm_bf16
+        if norms is None or attn_lib is None:
+            raise _Unfit("the fused-layer or attention C library is not built here")
+        gemm_fn = None if gemm is None else gemm.hfp_gemm if dtype == torch.float32 else gemm.hfp_gemm_bf16
         recorded: list[_Recorded] = []
         groups, keep = [], []
 
         def pack_of(module: torch.nn.Linear):
             # a single projection's current pack (packed again if its weight changed), as its forward would
             pack = packing.current_pack(module)
-            if not isinstance(pack, NativePackedWeight):
-                raise _Unfit(f"{type(module).__name__} weight {tuple(module.weight.shape)} is not natively packed")
+            if pack is None:
+                raise _Unfit(f"a {type(module).__name__} weight {tuple(module.weight.shape)} is not packed")
             recorded.append(_Recorded(module._parameters, "weight"))
             recorded.append(_Recorded(module._parameters, "bias"))
             return pack, module.bias
 
         def group_of(parent, names):
             group = packing.group(parent, names)
-            if group is None or not isinstance(group.pack, NativePackedWeight):
-                raise _Unfit(f"{type(parent).__name__} {'/'.join(names)} are not packed as one native weight")
+            if group is None:
+                raise _Unfit(f"{type(parent).__name__} {'/'.join(names)} are not packed as one weight")
             groups.append((group, group.pack))
             return group.pack, group.bias
 
         def gemm_op(pack, bias, x: torch.Tensor, x_stride: int, y: torch.Tensor, rows=self._rows):
-            if pack.dtype != dtype or (dtype == torch.bfloat16 and pack.k_even != pack.in_features):
-                raise _Unfit("a projection with an odd input width in bf16")
+            if gemm_fn is None or not isinstance(pack, NativePackedWeight) or pack.dtype != dtype or (
+                dtype == torch.bfloat16 and pack.k_even != pack.in_features
+            ):  # another packing (oneDNN, MKL, upcast): its own linear, the result copied into the buffer
+                return _Linear(pack, bias, x, y, rows), ()
             if bias is not None:
                 bias = bias.float().contiguous()
                 keep.append(bias)
@@ -305,7 +309,7 @@ class DecodeProgram:
             else:  # this layer's input = the last one's residual + its MLP output, added in the norm's pass
                 ops.append(norm_op(layer.input_layernorm, M, Hn, residual=R, total=X))
             qkv_pack, qkv_bias = group_of(attn, QKV)
-            if qkv_pack.out_features != qkv_w or qkv_pack.in_features != hidden:
+            if tuple(qkv_pack.source.shape) != (qkv_w, hidden):
                 raise _Unfit("decoder layers of different projection widths")
             ops.append(gemm_op(qkv_pack, qkv_bias, Hn, hidden, QKVb))
             ops.append((norms.hfp_rope, (
@@ -326,7 +330,7 @@ class DecodeProgram:
             ops.append(gemm_op(*pack_of(attn.o_proj), A, q_w, O))
             ops.append(norm_op(layer.post_attention_layernorm, O, Hn, residual=X, total=R))
             gu_pack, gu_bias = group_of(mlp, GATE_UP)
-            if gu_pack.out_features != 2 * inter:
+            if tuple(gu_pack.source.shape) != (2 * inter, hidden):
                 raise _Unfit("decoder layers of different MLP widths")
             ops.append(gemm_op(gu_pack, gu_bias, Hn, hidden, GU))
             ops.append((self._silu_mul, ()))
@@ -355,6 +359,21 @@ class DecodeProgram:
     def _silu_mul(self) -> None:
         gate, up = self._act
         torch.nn.functional.silu(gate, inplace=True).mul_(up)  # the fused forward's two roundings, in place
+
+
+class _Linear:
+    """A packed linear the program runs through its own ``linear`` (packings other than the native GEMM):
+    ``y[:rows] = pack.linear(x[:rows, :in], bias)``, the call the eager forward makes, into the step buffer."""
+
+    __name__ = "linear"
+
+    def __init__(self, pack, bias, x: torch.Tensor, y: torch.Tensor, rows: ctypes.c_int) -> None:
+        self.pack, self.bias, self.x, self.y, self.rows = pack, bias, x, y, rows
+        self.in_features = pack.source.shape[1]  # every packing keeps the weight it packed
+
+    def __call__(self) -> None:
+        n = self.rows.value
+        self.y[:n].copy_(self.pack.linear(self.x[:n, : self.in_features], self.bias))
 
 
 class _Unfit(Exception):
