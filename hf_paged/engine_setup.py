@@ -98,7 +98,7 @@ def make_program(model: torch.nn.Module, cfg: EngineConfig, pool: KVPool, backen
     """The native decode program (``decode_runner`` "native", or "auto" on CPU) where the model fits it, else
     None; ValueError naming the reason where "native" was asked for explicitly and cannot be had."""
     from hf_paged.decode_runner import resolve_mode
-    from hf_paged.hf.native_program import DecodeProgram, hooks, why_not  # hf/ imports the engine: import late
+    from hf_paged.hf.native_program import DecodeProgram, hooks, skipped_modules, why_not  # hf/ imports the engine: import late
 
     if resolve_mode(cfg.decode_runner, cfg.enforce_eager, pool.device) != "native":
         return None
@@ -108,7 +108,7 @@ def make_program(model: torch.nn.Module, cfg: EngineConfig, pool: KVPool, backen
     program = None
     if not why:
         program = DecodeProgram(model, pool.kv_caches, min(cfg.max_num_seqs * cpu_attention.MAX_Q, cfg.max_num_batched_tokens))
-        if not hooks(model):  # a module hook is passing (steps run eagerly while it is there); else record now
+        if not hooks(skipped_modules(model)):  # a module hook is passing (steps run eagerly while it is there); else record now
             why = program.prepare()
     if why:
         if cfg.decode_runner == "native":

@@ -259,9 +259,10 @@ class PagedGenerator(GeneratorOutputs):
         return self.outputs.process(changed, self.scheduler, result.scores)
 
     def _weights_version(self) -> int:
-        # Inference tensors keep no version counter: only their replacement (a new object) is seen.
+        # Inference tensors keep no version counter: only their replacement (a new object or storage) is seen.
+        # The address catches ``param.data = t``, which keeps the object and its version.
         params = list(self.model.parameters())
-        return sum(p._version for p in params if not p.is_inference()) + hash(tuple(id(p) for p in params))
+        return sum(p._version for p in params if not p.is_inference()) + hash(tuple((id(p), p.data_ptr()) for p in params))
 
     def _drop_stale_prefix_cache(self) -> None:
         """Cached KV was computed with the weights of its time: forget it when a weight changed (a training
@@ -388,6 +389,7 @@ class PagedGenerator(GeneratorOutputs):
             self.runner.speculator.close()
             self._release()  # once: the finalizer is dead afterwards
             self.packed = self.fused = None
+            self.runner.program = None  # its buffers and packs go with it (it holds no KV pool of its own)
             self.pool.kv_caches.clear()
             self.pool.host_caches.clear()
 

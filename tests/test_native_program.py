@@ -34,7 +34,7 @@ def test_program_matches_stock_generate_and_the_eager_engine(arch):
         program = engine.runner.program
         assert program is not None, "the program was not made for a fused model with native packs"
         outs = _tokens(engine.generate(prompts, params, use_tqdm=False))
-        assert program.num_runs > 0 and program.num_records == 1
+        assert program.num_runs > 0
     with PagedGenerator(model, num_blocks=96, max_num_seqs=3, enforce_eager=True, **NATIVE) as eager:
         assert eager.runner.program is None
         assert _tokens(eager.generate(prompts, params, use_tqdm=False)) == outs
@@ -61,6 +61,23 @@ def test_program_logits_are_the_eager_logits_bitwise(dtype, kind):
             assert (engine.runner.program is not None and engine.runner.program.num_runs > 0) != eager
             results.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
     assert results[0] == results[1]
+
+
+def test_program_prefills_short_prompts_sampling_their_last_rows_only():
+    """Prompts of up to 16 tokens take the native attention, so their prefill runs in the program: 26 rows, 3
+    of them sampled (the final norm and the LM head on those only)."""
+    model = make_model("mistral", seed=19)
+    prompts = make_prompts(3, lengths=[5, 9, 12], seed=10)
+    with PagedGenerator(model, num_blocks=32, max_num_seqs=3, **NATIVE) as engine:
+        program = engine.runner.program
+        partial = []
+        final_norm = program._final_norm
+        program._final_norm = lambda: partial.append(program._index is not None) or final_norm()
+        program._record(program.capacity, program.logits_capacity)  # the list picks the wrapped method up
+        outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    assert partial[0] and not any(partial[1:]) and len(partial) == program.num_runs == 6
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, 6)
 
 
 def test_program_verifies_drafts():
@@ -165,4 +182,72 @@ def test_auto_is_the_program_on_cpu_and_graphs_on_cuda():
     assert resolve_mode("auto", True, torch.device("cpu")) is None
     with pytest.raises(ValueError, match="decode_runner='native' runs CPU kernels, this model is on cuda"):
         resolve_mode("native", False, torch.device("cuda"))
+
+
+def test_program_survives_a_failed_recording_and_notices_swapped_storage_and_modules(monkeypatch):
+    model = make_model("llama", seed=17)
+    prompts = make_prompts(3, lengths=[4, 11, 25], seed=9)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    def check(engine):
+        for prompt, out in zip(prompts, engine.generate(prompts, params, use_tqdm=False)):
+            assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, 8)
+
+    with PagedGenerator(model, num_blocks=64, max_num_seqs=3, **NATIVE) as engine:
+        program = engine.runner.program
+        check(engine)
+        # an allocation failing halfway through a re-record: the old call list must not be replayed
+        packing = engine.packed
+
+        def no_memory(module):
+            raise MemoryError("simulated")
+
+        monkeypatch.setattr(packing, "current_pack", no_memory)
+        with torch.no_grad():
+            model.model.layers[0].input_layernorm.weight.add_(0.125)
+        runs = program.num_runs
+        check(engine)
+        assert program.num_runs == runs and "recording failed: MemoryError" in program.why_not
+        assert program._ops == [] and program.capacity == 0
+        monkeypatch.undo()
+        program._retry_in = 0
+        check(engine)
+        assert program.num_runs > runs
+        capacity = program.capacity
+        # new storage under the same Parameter object and version (``param.data = t``), in every norm and a linear
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.input_layernorm.weight.data = layer.input_layernorm.weight.clone() * 3
+            model.model.layers[1].mlp.down_proj.weight.data = model.model.layers[1].mlp.down_proj.weight.clone() * 0.5
+            model.model.layers[0].self_attn.q_proj.weight.data = model.model.layers[0].self_attn.q_proj.weight.clone() * 2
+        records = program.num_records
+        check(engine)
+        assert program.num_records > records and program.capacity == capacity  # a re-record keeps the sizes
+        # a replaced module (not packed by the engine): the program steps aside, the new module serves
+        old = model.lm_head
+        new = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+        with torch.no_grad():
+            new.weight.copy_(old.weight * 1.5)
+        model.lm_head = new
+        try:
+            runs = program.num_runs
+            check(engine)
+            assert program.num_runs == runs and "not packed" in program.why_not
+        finally:
+            model.lm_head = old
+
+
+def test_close_lets_the_kv_pool_go():
+    import gc
+    import weakref
+
+    model = make_model("llama", seed=18)
+    engine = PagedGenerator(model, num_blocks=32, **NATIVE)
+    engine.generate(make_prompts(2, lengths=[3, 7], seed=1), SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert engine.runner.program.num_runs > 0
+    pool = weakref.ref(engine.pool.kv_caches[0][0])
+    buffer = weakref.ref(engine.runner.program._x)
+    engine.close()
+    gc.collect()
+    assert engine.runner.program is None and pool() is None and buffer() is None
 

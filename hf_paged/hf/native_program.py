@@ -65,30 +65,44 @@ def why_not(model: torch.nn.Module, fused, packing) -> str:
     return ""
 
 
-def hooks(model: torch.nn.Module) -> str:
-    """A reason if ``model`` or any of its modules has forward hooks (the program would skip them)."""
+def skipped_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules the eager fused forward calls (running their hooks) and the program does not call: the model
+    and its base, the embedding, the LM head, the decoder layers and their o/down projections. (The rotary
+    embedding and the final norm the program calls; the fused forward calls none of the others.)"""
+    base = model.model
+    layers = list(base.layers)
+    return [model, base, base.embed_tokens, model.lm_head, *layers, *(layer.self_attn.o_proj for layer in layers),
+            *(layer.mlp.down_proj for layer in layers)]
+
+
+def hooks(modules: list[torch.nn.Module]) -> str:
+    """A reason if one of ``modules`` (or every module: global hooks) has forward hooks the program would skip."""
     m = torch.nn.modules.module
     if m._global_forward_hooks or m._global_forward_pre_hooks:
         return "global module forward hooks are registered"
-    for name, module in model.named_modules():
+    for module in modules:
         if module._forward_hooks or module._forward_pre_hooks:
-            return f"module {name or type(model).__name__} has forward hooks"
+            return f"a {type(module).__name__} module has forward hooks"
     return ""
 
 
-class _Recorded:
-    """A tensor the program read a pointer of: still the same object at the same version?"""
+class _Seen:
+    """What the program read from ``owner[key]`` (a parameter, or a submodule): still the same object, and for a
+    tensor at the same version and address (``param.data = t`` keeps the object and its version)?"""
 
-    __slots__ = ("owner", "key", "tensor", "version")
+    __slots__ = ("owner", "key", "obj", "version", "ptr")
 
     def __init__(self, owner: dict, key: str) -> None:
         self.owner, self.key = owner, key
-        self.tensor = owner[key]
-        self.version = None if self.tensor is None or self.tensor.is_inference() else self.tensor._version
+        self.obj = obj = owner.get(key)
+        tensor = isinstance(obj, torch.Tensor)
+        self.version = obj._version if tensor and not obj.is_inference() else None
+        self.ptr = obj.data_ptr() if tensor else None
 
     def same(self) -> bool:
-        t = self.owner.get(self.key)
-        return t is self.tensor and (self.version is None or t._version == self.version)
+        obj = self.owner.get(self.key)
+        return obj is self.obj and (self.ptr is None or (obj.data_ptr() == self.ptr and (
+            self.version is None or obj._version == self.version)))
 
 
 class DecodeProgram:
@@ -111,7 +125,6 @@ class DecodeProgram:
         self.why_not = ""  # why the last step could not run as the program ("" when it could)
         self._failures = self._retry_in = 0
         self._ops: list = []
-        self._recorded: list[_Recorded] = []
         self._groups: list = []
         self._singles: list = []
         self._windows: list = []
@@ -125,6 +138,9 @@ class DecodeProgram:
         self._act: list[torch.Tensor] = []  # [gate rows, up rows] of this step: read by the SiLU-mul op
         self._layer_forwards: list = []
         self._packing = None
+        self._seen: list[_Seen] = []
+        self._scalars: list = []
+        self._keep: list = []
 
     def prepare(self) -> str:
         """Record the program for a first small step now (at engine start); the reason it cannot ("" if it can)."""
@@ -147,7 +163,8 @@ class DecodeProgram:
             if self._retry_in:  # the last recording failed: eager steps until the next try
                 self._retry_in -= 1
                 return None
-            grow = lambda need, have: max(need, min(self.max_rows, max(_MIN_ROWS, 2 * have)))  # noqa: E731
+            # a larger step doubles the buffer it overflowed; a re-record for a changed weight keeps the sizes
+            grow = lambda need, have: have if need <= have else max(need, min(self.max_rows, max(_MIN_ROWS, 2 * have)))  # noqa: E731
             if not self._record(grow(rows, self.capacity), grow(sampled, self.logits_capacity)):
                 return None
         base = self.model.model
@@ -180,8 +197,11 @@ class DecodeProgram:
         """Whether the recorded calls still read the model's current weights and settings."""
         if self.threads != torch.get_num_threads():
             return False
-        for recorded in self._recorded:
-            if not recorded.same():
+        for seen in self._seen:
+            if not seen.same():
+                return False
+        for obj, attr, value in self._scalars:
+            if getattr(obj, attr, None) != value:
                 return False
         for group, pack in self._groups:
             if not group.usable() or group.pack is not pack:
@@ -192,7 +212,7 @@ class DecodeProgram:
         for layer, forward in self._layer_forwards:  # the fused forward taken off (the layers run transformers')
             if layer.__dict__.get("forward") is not forward:
                 return False
-        return model_patches.current(self.model, "packing") is self._packing and not _hooks_fast(self._modules)
+        return model_patches.current(self.model, "packing") is self._packing and not hooks(self._modules)
 
     # -- recording ---------------------------------------------------------------------------------
     def _record(self, capacity: int, logits_capacity: int) -> bool:
@@ -200,14 +220,18 @@ class DecodeProgram:
         eager path) where it cannot."""
         packing = model_patches.current(self.model, "packing")
         fused = model_patches.current(self.model, "fused_layers")
-        why = why_not(self.model, fused, packing) or hooks(self.model)
+        why = why_not(self.model, fused, packing) or hooks(skipped_modules(self.model))
         if not why:
-            try:
+            try:  # everything is built aside and installed at the end: a failure leaves no half-new program
                 self._build(capacity, logits_capacity, packing)
             except _Unfit as e:
                 why = str(e)
+            except Exception as e:  # noqa: BLE001 - out of memory, a packing error: the eager path serves
+                why = f"recording failed: {type(e).__name__}: {e}"
         if why:
             self._ops = []
+            self._keep = self._seen = self._groups = []
+            self._x = self._r = self._h = self._qkv = self._a = self._o = self._gate_up = self._m = self._logits = None
             self.capacity = self.logits_capacity = 0
             if why != self.why_not:  # said once per reason
                 logger.info("native decode program not used now (steps run eagerly): %s", why)
@@ -224,6 +248,8 @@ class DecodeProgram:
     def _build(self, capacity: int, logits_capacity: int, packing) -> None:
         model, base = self.model, self.model.model
         layers = list(base.layers)
+        if len(layers) != getattr(model.config, "num_hidden_layers", len(layers)):
+            raise _Unfit("config.num_hidden_layers is not the number of decoder layers")
         dtype = base.embed_tokens.weight.dtype
         dt = _DTYPES[dtype]
         elem = torch.tensor([], dtype=dtype).element_size()
@@ -236,16 +262,20 @@ class DecodeProgram:
         if norms is None or attn_lib is None:
             raise _Unfit("the fused-layer or attention C library is not built here")
         gemm_fn = None if gemm is None else gemm.hfp_gemm if dtype == torch.float32 else gemm.hfp_gemm_bf16
-        recorded: list[_Recorded] = []
-        groups, keep = [], []
+        # what the calls read by address or value, checked before every replay
+        seen = [_Seen(model._modules, "lm_head"), _Seen(base._modules, "embed_tokens"), _Seen(base._modules, "norm"),
+                _Seen(base._modules, "rotary_emb"), _Seen(base._modules, "layers")]
+        seen += [_Seen(base.layers._modules, k) for k in base.layers._modules]
+        scalars = [(model.config, "num_hidden_layers", len(layers))]
+        groups, keep = [], []  # keep: every tensor and pack whose address a call holds
 
         def pack_of(module: torch.nn.Linear):
             # a single projection's current pack (packed again if its weight changed), as its forward would
             pack = packing.current_pack(module)
             if pack is None:
                 raise _Unfit(f"a {type(module).__name__} weight {tuple(module.weight.shape)} is not packed")
-            recorded.append(_Recorded(module._parameters, "weight"))
-            recorded.append(_Recorded(module._parameters, "bias"))
+            seen.extend((_Seen(module._parameters, "weight"), _Seen(module._parameters, "bias")))
+            keep.append(pack)
             return pack, module.bias
 
         def group_of(parent, names):
@@ -267,7 +297,8 @@ class DecodeProgram:
                              y.data_ptr(), y.shape[1], rows, pack.out_features, pack.in_features, threads)
 
         def norm_op(norm, x, out, residual=None, total=None):
-            recorded.append(_Recorded(norm._parameters, "weight"))
+            seen.append(_Seen(norm._parameters, "weight"))
+            scalars.append((norm, "variance_epsilon", norm.variance_epsilon))
             if norm.weight.dtype != dtype or not norm.weight.is_contiguous():
                 raise _Unfit("an RMSNorm weight of another dtype or layout")
             return norms.hfp_rms_norm, (
@@ -286,16 +317,17 @@ class DecodeProgram:
             raise _Unfit(f"projection widths {qkv0.sizes} / {gu0.sizes} do not fit head_dim {D}")
         H, KVH = q_w // D, k_w // D
         new = lambda width: torch.zeros(capacity, width, dtype=dtype)  # noqa: E731
-        self._x, self._r, self._h = new(hidden), new(hidden), new(hidden)
-        self._qkv, self._a, self._o = new(qkv_w), new(q_w), new(hidden)
-        self._gate_up, self._m = new(2 * inter), new(hidden)
-        V = model.lm_head.out_features
-        self._logits = torch.zeros(logits_capacity, V, dtype=dtype)
-        X, R, Hn, QKVb, A, O, GU, M = self._x, self._r, self._h, self._qkv, self._a, self._o, self._gate_up, self._m
+        X, R, Hn, QKVb, A, O = new(hidden), new(hidden), new(hidden), new(qkv_w), new(q_w), new(hidden)
+        GU, M = new(2 * inter), new(hidden)
+        logits = torch.zeros(logits_capacity, model.lm_head.out_features, dtype=dtype)
         ops: list = []
         windows = []
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
+            seen += [_Seen(layer._modules, k) for k in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")]
+            seen += [_Seen(attn._modules, k) for k in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            seen += [_Seen(mlp._modules, k) for k in ("gate_proj", "up_proj", "down_proj")]
+            scalars.append((attn, "scaling", attn.scaling))
             if attn.head_dim != D:
                 raise _Unfit("decoder layers of different head sizes")
             k_cache, v_cache = self.kv_caches[attn.layer_idx]
@@ -321,7 +353,6 @@ class DecodeProgram:
                 k_cache.data_ptr(), v_cache.data_ptr(), self._slots, self._tokens, KVH * D * elem,
                 k_cache.shape[0] * k_cache.shape[1],
             )))
-            keep.append((k_cache, v_cache))
             ops.append((attn_lib.hfp_paged_attention, (
                 QKVb.data_ptr(), qkv_w, D, k_cache.data_ptr(), v_cache.data_ptr(), self._tables, self._table_stride,
                 self._lens, self._cu, self._ids, self._num_ids, A.data_ptr(), q_w, D, H, KVH, D, k_cache.shape[1],
@@ -336,12 +367,13 @@ class DecodeProgram:
             ops.append((self._silu_mul, ()))
             ops.append(gemm_op(*pack_of(mlp.down_proj), GU, 2 * inter, M))
         ops.append((self._final_norm, ()))
-        ops.append(gemm_op(*pack_of(model.lm_head), Hn, hidden, self._logits, rows=self._sampled))  # stays last
-        recorded.append(_Recorded(base.embed_tokens._parameters, "weight"))
-        self._ops, self._recorded, self._groups, self._windows, self._keep = ops, recorded, groups, windows, keep
-        # the modules the eager forward calls (and whose hooks it would run) that the program does not
-        self._modules = [model, base, base.embed_tokens, base.rotary_emb, base.norm, model.lm_head, *layers,
-                         *(layer.self_attn.o_proj for layer in layers), *(layer.mlp.down_proj for layer in layers)]
+        ops.append(gemm_op(*pack_of(model.lm_head), Hn, hidden, logits, rows=self._sampled))  # stays last
+        seen.append(_Seen(base.embed_tokens._parameters, "weight"))
+        # -- all built: install (the KV pools stay referenced by the engine; the buffers and packs by the program)
+        self._x, self._r, self._h, self._qkv, self._a, self._o, self._gate_up, self._m = X, R, Hn, QKVb, A, O, GU, M
+        self._logits = logits
+        self._ops, self._seen, self._scalars, self._groups, self._windows, self._keep = ops, seen, scalars, groups, windows, keep
+        self._modules = skipped_modules(model)
         self._layer_forwards = [(layer, layer.__dict__.get("forward")) for layer in layers]
         self._packing = packing
         self.head_dim, self.intermediate, self.threads = D, inter, threads
@@ -385,11 +417,3 @@ def _window_getter(attn: torch.nn.Module):
     if type(attn).__name__ == "MistralAttention":
         return lambda: getattr(attn.config, "sliding_window", None)
     return lambda: getattr(attn, "sliding_window", None)
-
-
-def _hooks_fast(modules: list) -> bool:
-    """Whether a forward hook was registered on the modules whose ``__call__`` the program skips at the top."""
-    m = torch.nn.modules.module
-    if m._global_forward_hooks or m._global_forward_pre_hooks:
-        return True
-    return any(mod._forward_hooks or mod._forward_pre_hooks for mod in modules)

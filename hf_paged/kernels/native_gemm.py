@@ -46,6 +46,7 @@ class NativePackedWeight:
         assert lib is not None, NATIVE_GEMM.why
         self.source = weight
         self.version = weight._version
+        self.ptr = weight.data_ptr()  # ``param.data = t`` keeps the object and its version
         self.dtype = weight.dtype
         self.out_features, self.in_features = weight.shape
         w = weight.detach().contiguous()
@@ -63,7 +64,7 @@ class NativePackedWeight:
             lib.hfp_gemm_bf16_pack(w.data_ptr(), w.stride(0), self.out_features, self.k_even, self.packed.data_ptr())
 
     def stale(self, weight: torch.Tensor) -> bool:
-        return weight is not self.source or weight._version != self.version
+        return weight is not self.source or weight._version != self.version or weight.data_ptr() != self.ptr
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.dtype == torch.bfloat16:

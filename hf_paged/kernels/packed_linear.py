@@ -147,6 +147,7 @@ class PackedWeight:
         assert lib is not None and weight.dtype == torch.float32 and weight.dim() == 2
         self.source = weight
         self.version = weight._version
+        self.ptr = weight.data_ptr()  # ``param.data = t`` keeps the object and its version
         w = weight.detach().contiguous()
         self.n, self.k = w.shape
         nbytes = lib.cblas_sgemm_pack_get_size(_B_MATRIX, 64, self.n, self.k)
@@ -154,7 +155,7 @@ class PackedWeight:
         lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 64, self.n, self.k, 1.0, w.data_ptr(), self.k, self.buffer.data_ptr())
 
     def stale(self, weight: torch.Tensor) -> bool:
-        return weight is not self.source or weight._version != self.version
+        return weight is not self.source or weight._version != self.version or weight.data_ptr() != self.ptr
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [..., k] -> [..., n]
         x2 = x.reshape(-1, self.k).contiguous()
@@ -179,10 +180,11 @@ class OneDnnPackedWeight:
         assert weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
         self.source = weight
         self.version = weight._version
+        self.ptr = weight.data_ptr()  # ``param.data = t`` keeps the object and its version
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
     def stale(self, weight: torch.Tensor) -> bool:
-        return weight is not self.source or weight._version != self.version
+        return weight is not self.source or weight._version != self.version or weight.data_ptr() != self.ptr
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
@@ -202,6 +204,7 @@ class UpcastPackedWeight:
         assert weight.dtype in (torch.bfloat16, torch.float16) and weight.dim() == 2
         self.source = weight
         self.version = weight._version
+        self.ptr = weight.data_ptr()  # ``param.data = t`` keeps the object and its version
         global _upcast_inner
         if inner_kind is None:
             if _upcast_inner is None:  # timed once, on the first weight's shape
@@ -211,7 +214,7 @@ class UpcastPackedWeight:
         self.inner = PACKERS[inner_kind](weight.detach().float())
 
     def stale(self, weight: torch.Tensor) -> bool:
-        return weight is not self.source or weight._version != self.version
+        return weight is not self.source or weight._version != self.version or weight.data_ptr() != self.ptr
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.inner.linear(x.float(), None if bias is None else bias.float())
@@ -263,8 +266,11 @@ def choose_kind(timings: dict[str, float]) -> str:
     """The kind to use given seconds per call of each ("torch" = plain ``F.linear``)."""
     # A packing costs memory (upcast: twice the weights): keep it only if clearly faster than F.linear.
     best = min(timings, key=lambda k: timings[k] * (1.0 if k == "torch" else _MARGIN.get(k, 1.1)))
-    if best not in ("torch", "native") and timings.get("native", float("inf")) <= timings[best] * NATIVE_PREFERENCE:
-        best = "native"  # within the margin: the native decode program gains most with native packs
+    native = timings.get("native", float("inf"))
+    if best not in ("torch", "native") and native <= timings[best] * NATIVE_PREFERENCE and (
+        native * _MARGIN.get("native", 1.1) <= timings.get("torch", float("inf"))
+    ):
+        best = "native"  # within the margin (and still clearly faster than F.linear): the program gains most
     return best
 
 

@@ -37,7 +37,9 @@ class PackedGroup:
         self._pack()
 
     def _sources(self) -> list:
-        return [(m.weight, m.weight._version, m.bias, None if m.bias is None else m.bias._version) for m in self.modules]
+        # objects, versions and addresses (``param.data = t`` keeps the object and its version)
+        return [(m.weight, m.weight._version, m.weight.data_ptr(), m.bias, None if m.bias is None else m.bias._version,
+                 None if m.bias is None else m.bias.data_ptr()) for m in self.modules]
 
     def _pack(self) -> None:
         self.sources = self._sources()
@@ -52,9 +54,9 @@ class PackedGroup:
 
     def usable(self) -> bool:
         """Whether the members still fit one pack (same CPU dtype and input width), re-packing if they changed."""
-        for params, (w, wv, b, bv) in zip(self._params, self.sources):  # every call: plain dict reads
-            if params["weight"] is not w or w._version != wv or params.get("bias") is not b or (
-                b is not None and b._version != bv
+        for params, (w, wv, wp, b, bv, bp) in zip(self._params, self.sources):  # every call: plain dict reads
+            if params["weight"] is not w or w._version != wv or w.data_ptr() != wp or params.get("bias") is not b or (
+                b is not None and (b._version != bv or b.data_ptr() != bp)
             ):
                 break
         else:
@@ -181,7 +183,12 @@ class PackedLinears:
         key = (id(parent), names)
         if key in self._groups:
             group = self._groups[key]
-            return group if group is not None and group.usable() else None
+            if group is None or any(getattr(parent, n, None) is not m for n, m in zip(names, group.modules)):
+                if group is None:
+                    return None
+                del self._groups[key]  # a member module was replaced: group the new ones
+                return self.group(parent, names)
+            return group if group.usable() else None
         modules = [getattr(parent, n, None) for n in names]
         group = None
         if all(isinstance(m, torch.nn.Linear) and id(m) in self._packs for m in modules):
