@@ -87,8 +87,9 @@ def hooks(modules: list[torch.nn.Module]) -> str:
 
 
 class _Seen:
-    """What the program read from ``owner[key]`` (a parameter, or a submodule): still the same object, and for a
-    tensor at the same version and address (``param.data = t`` keeps the object and its version)?"""
+    """What the program read from ``owner[key]`` (a parameter, or a submodule); :meth:`DecodeProgram._valid`
+    checks it is still the same object, and a tensor at the same version and address (``param.data = t`` keeps
+    the object and its version)."""
 
     __slots__ = ("owner", "key", "obj", "version", "ptr")
 
@@ -99,10 +100,6 @@ class _Seen:
         self.version = obj._version if tensor and not obj.is_inference() else None
         self.ptr = obj.data_ptr() if tensor else None
 
-    def same(self) -> bool:
-        obj = self.owner.get(self.key)
-        return obj is self.obj and (self.ptr is None or (obj.data_ptr() == self.ptr and (
-            self.version is None or obj._version == self.version)))
 
 
 class DecodeProgram:
@@ -138,7 +135,8 @@ class DecodeProgram:
         self._act: list[torch.Tensor] = []  # [gate rows, up rows] of this step: read by the SiLU-mul op
         self._layer_forwards: list = []
         self._packing = None
-        self._seen: list[_Seen] = []
+        self._same_objects: list = []  # (owner dict, key, object) read by the recording
+        self._same_tensors: list = []  # (owner dict, key, tensor, version, address)
         self._scalars: list = []
         self._keep: list = []
 
@@ -197,8 +195,12 @@ class DecodeProgram:
         """Whether the recorded calls still read the model's current weights and settings."""
         if self.threads != torch.get_num_threads():
             return False
-        for seen in self._seen:
-            if not seen.same():
+        for owner, key, obj in self._same_objects:  # submodules, absent biases
+            if owner.get(key) is not obj:
+                return False
+        for owner, key, tensor, version, ptr in self._same_tensors:
+            t = owner.get(key)
+            if t is not tensor or t.data_ptr() != ptr or (version is not None and t._version != version):
                 return False
         for obj, attr, value in self._scalars:
             if getattr(obj, attr, None) != value:
@@ -230,7 +232,7 @@ class DecodeProgram:
                 why = f"recording failed: {type(e).__name__}: {e}"
         if why:
             self._ops = []
-            self._keep = self._seen = self._groups = []
+            self._keep = self._same_objects = self._same_tensors = self._groups = []
             self._x = self._r = self._h = self._qkv = self._a = self._o = self._gate_up = self._m = self._logits = None
             self.capacity = self.logits_capacity = 0
             if why != self.why_not:  # said once per reason
@@ -372,7 +374,9 @@ class DecodeProgram:
         # -- all built: install (the KV pools stay referenced by the engine; the buffers and packs by the program)
         self._x, self._r, self._h, self._qkv, self._a, self._o, self._gate_up, self._m = X, R, Hn, QKVb, A, O, GU, M
         self._logits = logits
-        self._ops, self._seen, self._scalars, self._groups, self._windows, self._keep = ops, seen, scalars, groups, windows, keep
+        self._ops, self._scalars, self._groups, self._windows, self._keep = ops, scalars, groups, windows, keep
+        self._same_objects = [(x.owner, x.key, x.obj) for x in seen if x.ptr is None]
+        self._same_tensors = [(x.owner, x.key, x.obj, x.version, x.ptr) for x in seen if x.ptr is not None]
         self._modules = skipped_modules(model)
         self._layer_forwards = [(layer, layer.__dict__.get("forward")) for layer in layers]
         self._packing = packing
