@@ -110,7 +110,9 @@ def kernel_choices(dtype: torch.dtype, device: str = "cpu") -> dict[str, str]:
         attention = f"torch (native kernel unavailable: {cpu_attention.unavailable_reason(dtype)})"
     if fused_ops.available(dtype):
         layers = ("fused C kernels for Llama, Mistral and Qwen2 decoder layers (with packed linears: q/k/v and "
-                  "gate/up as one GEMM each); transformers' code for others")
+                  "gate/up as one GEMM each"
+                  + ("; decode steps replayed by the native decode program" if backend == "cpu" else "")
+                  + "); transformers' code for others")
     else:
         layers = f"transformers' code (fused kernels unavailable: {fused_ops.unavailable_reason(dtype)})"
     return {"linear": linear, "attention": attention, "layers": layers}
