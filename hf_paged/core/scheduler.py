@@ -18,42 +18,14 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections import deque
-from collections.abc import Iterator
 
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler_output import ModelRunnerOutput, NewSequenceData, ScheduledSequence, SchedulerOutput
+from hf_paged.core.waiting_queue import WaitingQueue
 from hf_paged.request import Request, RequestStatus
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
-
-
-class WaitingQueue:
-    """Requests waiting for admission: arrival order (preempted ones in front), or by (priority, arrival)."""
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._fcfs: deque[Request] = deque()
-        self._sorted: list[tuple[tuple, Request]] = []
-
-    def __len__(self) -> int:
-        return len(self._fcfs) + len(self._sorted)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._fcfs) if self.policy == "fcfs" else (r for _, r in self._sorted)
-
-    def push(self, request: Request, front: bool = False) -> None:
-        if self.policy == "fcfs":
-            self._fcfs.appendleft(request) if front else self._fcfs.append(request)
-        else:
-            bisect.insort(self._sorted, (request.sort_key(), request), key=lambda e: e[0])
-
-    def remove(self, request: Request) -> None:
-        if self.policy == "fcfs":
-            self._fcfs.remove(request)
-        else:
-            self._sorted = [e for e in self._sorted if e[1] is not request]
 
 
 class Scheduler:

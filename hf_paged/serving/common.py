@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,3 +40,23 @@ class StepInfo:
     queue_times: list[float] = field(default_factory=list)
     token_intervals: list[float] = field(default_factory=list)
     finished: list[RequestStream] = field(default_factory=list)
+
+
+class ThroughputWindow:
+    """Generated-token counts by step time (the last 512 steps), for a tokens-per-second reading."""
+
+    def __init__(self) -> None:
+        self._history: deque[tuple[float, int]] = deque(maxlen=512)  # (time, generated tokens so far)
+
+    def record(self, when: float, generated: int) -> None:
+        self._history.append((when, generated))
+
+    def rate(self, window: float = 2.0) -> float:
+        """Generated tokens per second over the last ``window`` seconds of steps (0 when idle)."""
+        now = time.time()
+        recent = [(t, n) for t, n in list(self._history) if t >= now - window]
+        if len(recent) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = recent[0], recent[-1]
+        return (n1 - n0) / max(now - t0, t1 - t0, 1e-6)
+

@@ -22,7 +22,7 @@ from hf_paged.generator import PagedGenerator, Prompt
 from hf_paged.outputs import EngineStats, RequestOutput
 from hf_paged.request import RequestStatus
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.serving.common import EngineClosedError, QueueFullError, StepInfo
+from hf_paged.serving.common import EngineClosedError, QueueFullError, StepInfo, ThroughputWindow
 from hf_paged.serving.stream import RequestStream
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class AsyncPagedEngine:
         self._failures = 0
         # read by anyone (replaced, never mutated)
         self.num_finished_by_reason: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}
-        self._throughput: deque[tuple[float, int]] = deque(maxlen=512)  # (time, generated tokens) per step
+        self._throughput = ThroughputWindow()
         self.last_batch_size = 0
         self._thread = threading.Thread(target=self._run, name="hf-paged-engine-loop", daemon=True)
         self._thread.start()
@@ -194,15 +194,7 @@ class AsyncPagedEngine:
 
     def generation_throughput(self, window: float = 2.0) -> float:
         """Generated tokens per second over the last ``window`` seconds of steps (0 when idle)."""
-        history = list(self._throughput)
-        if not history:
-            return 0.0
-        now = time.time()
-        recent = [(t, n) for t, n in history if t >= now - window]
-        if len(recent) < 2:
-            return 0.0
-        (t0, n0), (t1, n1) = recent[0], recent[-1]
-        return (n1 - n0) / max(now - t0, t1 - t0, 1e-6)
+        return self._throughput.rate(window)
 
     def _check_open(self) -> None:
         if self._closing or self._stopped.is_set():
@@ -319,7 +311,7 @@ class AsyncPagedEngine:
                 info.queue_times.append(max(0.0, start - stream.arrival_time))
         sched = self.engine.scheduler
         self.last_batch_size = len(sched.running)
-        self._throughput.append((end, sched.num_generated_tokens))
+        self._throughput.record(end, sched.num_generated_tokens)
         with self._cond:
             self._num_engine_waiting = len(sched.waiting)
         for observer in self._observers:
