@@ -225,8 +225,11 @@ def test_native_step_matches_store_then_attend(dtype):
     want = paged_attention(q, k_ref, v_ref, *case.args()[3:], backend="cpu", plan=plan)
     assert torch.equal(case.k_cache.nan_to_num(), k_ref.nan_to_num()) and torch.equal(case.v_cache.nan_to_num(), v_ref.nan_to_num())
     assert torch.equal(got, want)
-    prefill = TorchAttentionPlan.build(tables, case.seq_lens, torch.tensor([0, 1, 2, 42, 43], dtype=torch.int32), 16,
-                                       native_max_q=cpu_attention.MAX_Q)
+    long_q = cpu_attention.MAX_Q + 1  # a prefill chunk longer than the native kernel takes
+    prefill = TorchAttentionPlan.build(
+        torch.arange(12, dtype=torch.int32).view(2, 6), torch.tensor([5, long_q + 3], dtype=torch.int32),
+        torch.tensor([0, 1, 1 + long_q], dtype=torch.int32), 16, native_max_q=cpu_attention.MAX_Q,
+    )
     assert cpu_attention.NativeStep.build(prefill, slots, [(case.k_cache, case.v_cache)]) is None
 
 

@@ -19,7 +19,10 @@ import torch
 from hf_paged.kernels import probes
 from hf_paged.kernels.native import NativeLibrary
 
-MAX_Q = 16  # query lengths up to this go through the native kernel
+# query lengths up to this go through the native kernel (decodes, draft verification, short prompts): 16
+# sequences of L keys and L queries, 9 heads of 64, Zen 5, native vs per-sequence SDPA: fp32 L=32 0.38 vs
+# 0.95 ms, 64 1.4 vs 1.7, 128 5.6 vs 4.9; bf16 64 1.0 vs 2.0, 128 3.8 vs 5.5
+MAX_Q = 64
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 PROBE = "attention.native"
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
