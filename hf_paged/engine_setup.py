@@ -98,7 +98,8 @@ def make_program(model: torch.nn.Module, cfg: EngineConfig, pool: KVPool, backen
     """The native decode program (``decode_runner`` "native", or "auto" on CPU) where the model fits it, else
     None; ValueError naming the reason where "native" was asked for explicitly and cannot be had."""
     from hf_paged.decode_runner import resolve_mode
-    from hf_paged.hf.native_program import DecodeProgram, hooks, skipped_modules, why_not  # hf/ imports the engine: import late
+    from hf_paged.hf.native_program import DecodeProgram  # hf/ imports the engine: import late
+    from hf_paged.hf.program_fit import hooks, skipped_modules, why_not
 
     if resolve_mode(cfg.decode_runner, cfg.enforce_eager, pool.device) != "native":
         return None

@@ -107,16 +107,20 @@ def _group(model_ref, parent: torch.nn.Module, names: tuple[str, ...], x: torch.
     return group if group is not None and group.dtype == x.dtype else None
 
 
+def window_getter(attn: torch.nn.Module):
+    """The sliding window of ``attn`` as transformers reads it at each call: Mistral from its config, Qwen2 per
+    layer, Llama none."""
+    if type(attn).__name__ == "MistralAttention":
+        return lambda: getattr(attn.config, "sliding_window", None)
+    return lambda: getattr(attn, "sliding_window", None)
+
+
 def _fused_forward(layer: torch.nn.Module, model_ref):
     original = type(layer).forward.__get__(layer)
     attn, mlp = layer.self_attn, layer.mlp
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
     head_dim = attn.head_dim
-    # Mistral reads its window from the config at each call, Qwen2 keeps it per layer, Llama has none
-    if type(attn).__name__ == "MistralAttention":
-        window = lambda: getattr(attn.config, "sliding_window", None)  # noqa: E731
-    else:
-        window = lambda: getattr(attn, "sliding_window", None)  # noqa: E731
+    window = window_getter(attn)
 
     def forward(hidden_states, *args, **kwargs):  # transformers calls layers by keyword; pass on what it gives
         meta = kwargs.get(attention.METADATA_KWARG)

@@ -12,11 +12,10 @@ packed for our GEMM are C calls like the rest; other packings (oneDNN, MKL, upca
 from the program, the result copied into the step's buffer.
 
 The program computes what the fused forward computes, call for call (same kernels, same inputs, same
-order of the residual adds), so its tokens are those of the eager engine and of stock ``generate``. It
-runs a step only where every sequence takes the native attention (decode, draft verification; the step's
-``native_step``) and falls back to the eager forward for everything else, including any step after a
-weight, bias or norm it recorded was replaced or changed its packing (then it records itself again), a
-module hook was registered, or the thread count changed.
+order of the residual adds), so its logits are those of the eager engine. It runs a step only where every
+sequence takes the native attention (the step's ``native_step``: decodes, draft verification, short prompts)
+and falls back to the eager forward for everything else, and while a module hook it would skip is
+registered; it records itself again when something it recorded changed (:meth:`DecodeProgram._valid`).
 """
 
 from __future__ import annotations
@@ -27,86 +26,32 @@ import logging
 import torch
 
 from hf_paged import model_patches
-from hf_paged.hf.fused_layers import FAMILIES, GATE_UP, QKV
+from hf_paged.hf.fused_layers import GATE_UP, QKV, window_getter
+from hf_paged.hf.program_fit import DTYPES
+from hf_paged.hf.program_fit import hooks, skipped_modules, why_not
 from hf_paged.kernels import cpu_attention, fused_ops
 from hf_paged.kernels.native_gemm import NATIVE_GEMM, NativePackedWeight
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C kernels' dtype codes
 _MIN_ROWS = 16
 
 
-def why_not(model: torch.nn.Module, fused, packing) -> str:
-    """Why ``model`` cannot run as a :class:`DecodeProgram` ("" if it can)."""
-    name = type(model).__name__
-    family = next((f for f in FAMILIES if name == f"{f}ForCausalLM"), None)
-    if family is None:
-        return f"{name} is not one of " + ", ".join(f"{f}ForCausalLM" for f in FAMILIES)
-    base = getattr(model, "model", None)
-    if type(base).__name__ != f"{family}Model":
-        return f"model.model is {type(base).__name__}, expected {family}Model"
-    if fused is None or packing is None:
-        return "it needs the fused layers and packed linears"
-    layers = list(getattr(base, "layers", ()))
-    if not layers or any(layer not in fused.layers for layer in layers):
-        return "not every decoder layer has the fused forward"
-    if type(base.embed_tokens) is not torch.nn.Embedding or type(model.lm_head) is not torch.nn.Linear:
-        return "the embedding or the LM head is not a plain nn.Embedding / nn.Linear"
-    if type(base.norm).__name__ != f"{family}RMSNorm" or getattr(base.norm, "variance_epsilon", None) is None:
-        return f"the final norm is {type(base.norm).__name__}, expected {family}RMSNorm"
-    if getattr(base, "rotary_emb", None) is None:
-        return "the model has no rotary_emb"
-    dtype = base.embed_tokens.weight.dtype
-    if dtype not in _DTYPES or packing.kinds.get(dtype, "torch") == "torch":
-        return f"its {str(dtype).removeprefix('torch.')} linears are not packed here (prepack_weights)"
-    if any(p.dtype != dtype or p.device.type != "cpu" for p in model.parameters()):
-        return "its parameters are not all CPU tensors of one dtype"
-    return ""
-
-
-def skipped_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules the eager fused forward calls (running their hooks) and the program does not call: the model
-    and its base, the embedding, the LM head, the decoder layers and their o/down projections. (The rotary
-    embedding and the final norm the program calls; the fused forward calls none of the others.)"""
-    base = model.model
-    layers = list(base.layers)
-    return [model, base, base.embed_tokens, model.lm_head, *layers, *(layer.self_attn.o_proj for layer in layers),
-            *(layer.mlp.down_proj for layer in layers)]
-
-
-def hooks(modules: list[torch.nn.Module]) -> str:
-    """A reason if one of ``modules`` (or every module: global hooks) has forward hooks the program would skip."""
-    m = torch.nn.modules.module
-    if m._global_forward_hooks or m._global_forward_pre_hooks:
-        return "global module forward hooks are registered"
-    for module in modules:
-        if module._forward_hooks or module._forward_pre_hooks:
-            return f"a {type(module).__name__} module has forward hooks"
-    return ""
-
-
-class _Seen:
-    """What the program read from ``owner[key]`` (a parameter, or a submodule); :meth:`DecodeProgram._valid`
-    checks it is still the same object, and a tensor at the same version and address (``param.data = t`` keeps
-    the object and its version)."""
-
-    __slots__ = ("owner", "key", "obj", "version", "ptr")
-
-    def __init__(self, owner: dict, key: str) -> None:
-        self.owner, self.key = owner, key
-        self.obj = obj = owner.get(key)
-        tensor = isinstance(obj, torch.Tensor)
-        self.version = obj._version if tensor and not obj.is_inference() else None
-        self.ptr = obj.data_ptr() if tensor else None
-
+def _seen(owner: dict, key: str) -> tuple:
+    """``(owner, key, obj, version, address)`` of what the program read from ``owner[key]`` (a parameter or a
+    submodule): :meth:`DecodeProgram._valid` checks it is still the same object, a tensor at the same version
+    and address (``param.data = t`` keeps the object and its version); version and address None otherwise."""
+    obj = owner.get(key)
+    if not isinstance(obj, torch.Tensor):
+        return owner, key, obj, None, None
+    return owner, key, obj, None if obj.is_inference() else obj._version, obj.data_ptr()
 
 
 class DecodeProgram:
     """One model's decode steps replayed as native calls over persistent buffers (see the module docstring).
 
     Args:
-        model: A Llama/Mistral/Qwen2 causal LM (checked with :func:`why_not`).
+        model: A Llama/Mistral/Qwen2 causal LM (checked with :func:`hf_paged.hf.program_fit.why_not`).
         kv_caches: The engine pool's per-layer ``(k_cache, v_cache)``.
         max_rows: The most tokens a native step can have (``max_num_seqs`` x the longest native query).
     """
@@ -123,7 +68,6 @@ class DecodeProgram:
         self._failures = self._retry_in = 0
         self._ops: list = []
         self._groups: list = []
-        self._singles: list = []
         self._windows: list = []
         self.logits_capacity = 0
         self._rows, self._sampled = ctypes.c_int(0), ctypes.c_int(0)
@@ -253,7 +197,7 @@ class DecodeProgram:
         if len(layers) != getattr(model.config, "num_hidden_layers", len(layers)):
             raise _Unfit("config.num_hidden_layers is not the number of decoder layers")
         dtype = base.embed_tokens.weight.dtype
-        dt = _DTYPES[dtype]
+        dt = DTYPES[dtype]
         elem = torch.tensor([], dtype=dtype).element_size()
         threads = torch.get_num_threads()
         attn0 = layers[0].self_attn
@@ -265,9 +209,9 @@ class DecodeProgram:
             raise _Unfit("the fused-layer or attention C library is not built here")
         gemm_fn = None if gemm is None else gemm.hfp_gemm if dtype == torch.float32 else gemm.hfp_gemm_bf16
         # what the calls read by address or value, checked before every replay
-        seen = [_Seen(model._modules, "lm_head"), _Seen(base._modules, "embed_tokens"), _Seen(base._modules, "norm"),
-                _Seen(base._modules, "rotary_emb"), _Seen(base._modules, "layers")]
-        seen += [_Seen(base.layers._modules, k) for k in base.layers._modules]
+        seen = [_seen(model._modules, "lm_head"), _seen(base._modules, "embed_tokens"), _seen(base._modules, "norm"),
+                _seen(base._modules, "rotary_emb"), _seen(base._modules, "layers")]
+        seen += [_seen(base.layers._modules, k) for k in base.layers._modules]
         scalars = [(model.config, "num_hidden_layers", len(layers))]
         groups, keep = [], []  # keep: every tensor and pack whose address a call holds
 
@@ -276,7 +220,7 @@ class DecodeProgram:
             pack = packing.current_pack(module)
             if pack is None:
                 raise _Unfit(f"a {type(module).__name__} weight {tuple(module.weight.shape)} is not packed")
-            seen.extend((_Seen(module._parameters, "weight"), _Seen(module._parameters, "bias")))
+            seen.extend((_seen(module._parameters, "weight"), _seen(module._parameters, "bias")))
             keep.append(pack)
             return pack, module.bias
 
@@ -299,7 +243,7 @@ class DecodeProgram:
                              y.data_ptr(), y.shape[1], rows, pack.out_features, pack.in_features, threads)
 
         def norm_op(norm, x, out, residual=None, total=None):
-            seen.append(_Seen(norm._parameters, "weight"))
+            seen.append(_seen(norm._parameters, "weight"))
             scalars.append((norm, "variance_epsilon", norm.variance_epsilon))
             if norm.weight.dtype != dtype or not norm.weight.is_contiguous():
                 raise _Unfit("an RMSNorm weight of another dtype or layout")
@@ -326,9 +270,9 @@ class DecodeProgram:
         windows = []
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            seen += [_Seen(layer._modules, k) for k in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")]
-            seen += [_Seen(attn._modules, k) for k in ("q_proj", "k_proj", "v_proj", "o_proj")]
-            seen += [_Seen(mlp._modules, k) for k in ("gate_proj", "up_proj", "down_proj")]
+            seen += [_seen(layer._modules, k) for k in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")]
+            seen += [_seen(attn._modules, k) for k in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            seen += [_seen(mlp._modules, k) for k in ("gate_proj", "up_proj", "down_proj")]
             scalars.append((attn, "scaling", attn.scaling))
             if attn.head_dim != D:
                 raise _Unfit("decoder layers of different head sizes")
@@ -336,7 +280,7 @@ class DecodeProgram:
             if (k_cache.dtype != dtype or v_cache.dtype != dtype or not k_cache.is_contiguous() or not v_cache.is_contiguous()
                     or tuple(k_cache.shape[2:]) != (KVH, D) or v_cache.shape != k_cache.shape or H % KVH):
                 raise _Unfit(f"layer {i}'s KV pool {tuple(k_cache.shape)} {k_cache.dtype} does not fit {KVH} x {D}")
-            window = _window_getter(attn)
+            window = window_getter(attn)
             windows.append((window, window()))
             if i == 0:
                 ops.append(norm_op(layer.input_layernorm, X, Hn))
@@ -370,13 +314,13 @@ class DecodeProgram:
             ops.append(gemm_op(*pack_of(mlp.down_proj), GU, 2 * inter, M))
         ops.append((self._final_norm, ()))
         ops.append(gemm_op(*pack_of(model.lm_head), Hn, hidden, logits, rows=self._sampled))  # stays last
-        seen.append(_Seen(base.embed_tokens._parameters, "weight"))
+        seen.append(_seen(base.embed_tokens._parameters, "weight"))
         # -- all built: install (the KV pools stay referenced by the engine; the buffers and packs by the program)
         self._x, self._r, self._h, self._qkv, self._a, self._o, self._gate_up, self._m = X, R, Hn, QKVb, A, O, GU, M
         self._logits = logits
         self._ops, self._scalars, self._groups, self._windows, self._keep = ops, scalars, groups, windows, keep
-        self._same_objects = [(x.owner, x.key, x.obj) for x in seen if x.ptr is None]
-        self._same_tensors = [(x.owner, x.key, x.obj, x.version, x.ptr) for x in seen if x.ptr is not None]
+        self._same_objects = [entry[:3] for entry in seen if entry[4] is None]
+        self._same_tensors = [entry for entry in seen if entry[4] is not None]
         self._modules = skipped_modules(model)
         self._layer_forwards = [(layer, layer.__dict__.get("forward")) for layer in layers]
         self._packing = packing
@@ -415,9 +359,3 @@ class _Linear:
 class _Unfit(Exception):
     """The model's current state does not fit the program (the eager path serves)."""
 
-
-def _window_getter(attn: torch.nn.Module):
-    # as the fused forward reads it: Mistral from its config at each call, Qwen2 per layer, Llama none
-    if type(attn).__name__ == "MistralAttention":
-        return lambda: getattr(attn.config, "sliding_window", None)
-    return lambda: getattr(attn, "sliding_window", None)

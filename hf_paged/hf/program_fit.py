@@ -1,0 +1,59 @@
+"""Which models the native decode program (:mod:`hf_paged.hf.native_program`) can run, and which of their
+modules it skips (whose forward hooks the eager fused forward would run)."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_paged.hf.fused_layers import FAMILIES
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C kernels' dtype codes
+
+
+def why_not(model: torch.nn.Module, fused, packing) -> str:
+    """Why ``model`` cannot run as a :class:`DecodeProgram` ("" if it can)."""
+    name = type(model).__name__
+    family = next((f for f in FAMILIES if name == f"{f}ForCausalLM"), None)
+    if family is None:
+        return f"{name} is not one of " + ", ".join(f"{f}ForCausalLM" for f in FAMILIES)
+    base = getattr(model, "model", None)
+    if type(base).__name__ != f"{family}Model":
+        return f"model.model is {type(base).__name__}, expected {family}Model"
+    if fused is None or packing is None:
+        return "it needs the fused layers and packed linears"
+    layers = list(getattr(base, "layers", ()))
+    if not layers or any(layer not in fused.layers for layer in layers):
+        return "not every decoder layer has the fused forward"
+    if type(base.embed_tokens) is not torch.nn.Embedding or type(model.lm_head) is not torch.nn.Linear:
+        return "the embedding or the LM head is not a plain nn.Embedding / nn.Linear"
+    if type(base.norm).__name__ != f"{family}RMSNorm" or getattr(base.norm, "variance_epsilon", None) is None:
+        return f"the final norm is {type(base.norm).__name__}, expected {family}RMSNorm"
+    if getattr(base, "rotary_emb", None) is None:
+        return "the model has no rotary_emb"
+    dtype = base.embed_tokens.weight.dtype
+    if dtype not in DTYPES or packing.kinds.get(dtype, "torch") == "torch":
+        return f"its {str(dtype).removeprefix('torch.')} linears are not packed here (prepack_weights)"
+    if any(p.dtype != dtype or p.device.type != "cpu" for p in model.parameters()):
+        return "its parameters are not all CPU tensors of one dtype"
+    return ""
+
+
+def skipped_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules the eager fused forward calls (running their hooks) and the program does not call: the model
+    and its base, the embedding, the LM head, the decoder layers and their o/down projections. (The rotary
+    embedding and the final norm the program calls; the fused forward calls none of the others.)"""
+    base = model.model
+    layers = list(base.layers)
+    return [model, base, base.embed_tokens, model.lm_head, *layers, *(layer.self_attn.o_proj for layer in layers),
+            *(layer.mlp.down_proj for layer in layers)]
+
+
+def hooks(modules: list[torch.nn.Module]) -> str:
+    """A reason if one of ``modules`` (or every module: global hooks) has forward hooks the program would skip."""
+    m = torch.nn.modules.module
+    if m._global_forward_hooks or m._global_forward_pre_hooks:
+        return "global module forward hooks are registered"
+    for module in modules:
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"a {type(module).__name__} module has forward hooks"
+    return ""
