@@ -20,6 +20,17 @@ def _bf16_gemm() -> bool:
     return lib is not None and bool(lib.hfp_gemm_bf16_ok())
 
 
+def _stock_checker(model, prompts, max_tokens: int = 8):
+    """``check(engine)``: greedy generation of ``prompts`` through ``engine`` equals stock ``generate``."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+    def check(engine):
+        for prompt, out in zip(prompts, engine.generate(prompts, params, use_tqdm=False)):
+            assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, max_tokens)
+
+    return check
+
+
 def _tokens(outs):
     return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -95,12 +106,7 @@ def test_program_verifies_drafts():
 
 def test_program_follows_changed_weights_threads_and_hooks():
     model = make_model("llama", seed=14)
-    prompts = make_prompts(3, lengths=[5, 18, 30], seed=7)
-    params = SamplingParams(max_tokens=8, temperature=0.0)
-
-    def check(engine):
-        for prompt, out in zip(prompts, engine.generate(prompts, params, use_tqdm=False)):
-            assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, 8)
+    check = _stock_checker(model, make_prompts(3, lengths=[5, 18, 30], seed=7))
 
     threads = torch.get_num_threads()
     with PagedGenerator(model, num_blocks=64, max_num_seqs=3, **NATIVE) as engine:
@@ -194,12 +200,7 @@ def test_auto_is_the_program_on_cpu_and_graphs_on_cuda():
 
 def test_program_survives_a_failed_recording_and_notices_swapped_storage_and_modules(monkeypatch):
     model = make_model("llama", seed=17)
-    prompts = make_prompts(3, lengths=[4, 11, 25], seed=9)
-    params = SamplingParams(max_tokens=8, temperature=0.0)
-
-    def check(engine):
-        for prompt, out in zip(prompts, engine.generate(prompts, params, use_tqdm=False)):
-            assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, 8)
+    check = _stock_checker(model, make_prompts(3, lengths=[4, 11, 25], seed=9))
 
     with PagedGenerator(model, num_blocks=64, max_num_seqs=3, **NATIVE) as engine:
         program = engine.runner.program

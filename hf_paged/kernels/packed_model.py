@@ -77,6 +77,18 @@ class PackedGroup:
         return self.pack.linear(x, self.bias)
 
 
+def _current(packs: dict, module: torch.nn.Linear, packer, dtype: torch.dtype):
+    """``packs[id(module)]``, packed (again) when missing (a group member) or stale (the weight changed); None
+    where the weight no longer fits ``packer`` (another dtype or device, or an inference tensor)."""
+    weight = module.weight
+    pack = packs[id(module)]
+    if pack is None or pack.stale(weight):
+        if weight.dtype != dtype or weight.device.type != "cpu" or weight.is_inference():
+            return None
+        pack = packs[id(module)] = packer(weight)
+    return pack
+
+
 class PackedLinears:
     """Packs every plain fp32/bf16 CPU ``nn.Linear`` of ``model``; engine forwards run through the packs.
 
@@ -149,12 +161,8 @@ class PackedLinears:
                 torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
             ):
                 return original(x)
-            pack = packs[id(module)]
-            if pack is None or pack.stale(weight):  # not packed yet (a group member), or the weight changed
-                if weight.dtype != dtype or weight.device.type != "cpu" or weight.is_inference():
-                    return original(x)
-                pack = packs[id(module)] = packer(weight)
-            return pack.linear(x, module.bias)
+            pack = _current(packs, module, packer, dtype)
+            return original(x) if pack is None else pack.linear(x, module.bias)
 
         forward.packer, forward.dtype = packer, dtype
         return forward
@@ -165,13 +173,7 @@ class PackedLinears:
         forward = module.__dict__.get("forward")
         if id(module) not in self._packs or forward is None or not hasattr(forward, "packer"):
             return None
-        weight = module.weight
-        pack = self._packs[id(module)]
-        if pack is None or pack.stale(weight):
-            if weight.dtype != forward.dtype or weight.device.type != "cpu" or weight.is_inference():
-                return None
-            pack = self._packs[id(module)] = forward.packer(weight)
-        return pack
+        return _current(self._packs, module, forward.packer, forward.dtype)
 
     def group(self, parent: torch.nn.Module, names: tuple[str, ...]) -> PackedGroup | None:
         """The children ``names`` of ``parent`` packed as one weight (built on first request, then kept), or None
