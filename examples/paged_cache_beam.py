@@ -5,7 +5,7 @@ import argparse
 from transformers import DynamicCache
 
 import hf_paged
-from hf_paged.models import load_default
+from hf_paged.default_model import load_default
 
 
 def main(max_new_tokens: int = 32, num_beams: int = 4) -> tuple:

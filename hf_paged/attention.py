@@ -50,8 +50,8 @@ class AttentionMetadata:
     has_padding: bool = False
     torch_plan: kernels.TorchAttentionPlan | None = None
     static: bool = False  # a padded static-shape step (decode_runner.py): one graph-safe op per layer
-    native_step: Callable | None = None  # every sequence native (kernels/cpu_attention.NativeStep): 2 C calls a layer
-    fused: bool = False  # decoder layers with a fused CPU forward (hf/fused_layers.py) may take it
+    native_step: Callable | None = None  # every sequence native (cpu/attention.NativeStep): 2 C calls a layer
+    fused: bool = False  # decoder layers with a fused CPU forward (cpu/fused_layers.py) may take it
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_paged.request import Request, RequestStatus
+from hf_paged.sequence import Sequence, SequenceStatus
 from hf_paged.sampling_params import BeamSearchParams, SamplingParams
 
 NEG = -1.0e9  # stock beam search's "impossible" score
@@ -97,10 +97,10 @@ class BeamSearch:
         seq_params = SamplingParams(max_tokens=M + 1, temperature=0.0, ignore_eos=True)
         self.prompt_requests = []
         for b, prompt in enumerate(prompts):
-            request = Request(f"{request_id}-beam{b}", prompt, seq_params)
+            request = Sequence(f"{request_id}-beam{b}", prompt, seq_params)
             request.is_beam = True
             self.prompt_requests.append(request)
-        self.running: list[list[Request]] = [[r] * K for r in self.prompt_requests]
+        self.running: list[list[Sequence]] = [[r] * K for r in self.prompt_requests]
         self._rows: dict[int, torch.Tensor] = {}
 
     # -- the engine's side ------------------------------------------------------------------------
@@ -228,7 +228,7 @@ class BeamSearch:
             for k in range(self.K):
                 request = new_running[b][k]
                 scheduler.append_tokens(request, [tokens[b][k]])
-                assert request.status is not RequestStatus.FINISHED_LENGTH, "beam finished by the scheduler"
+                assert request.status is not SequenceStatus.FINISHED_LENGTH, "beam finished by the scheduler"
         self.running = new_running
 
     # -- results ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ class UsageError(Exception):
 
 
 def _load(args):
-    from hf_paged.models import load_default, load_model
+    from hf_paged.default_model import load_default, load_model
 
     if args.model:
         return load_model(args.model, dtype=args.dtype)
@@ -156,7 +156,7 @@ def _int_list(text: str | None, flag: str) -> list[int] | None:
 
 
 def _served_name(path: str | None) -> str:
-    from hf_paged.models import DEFAULT_MODEL_NAME
+    from hf_paged.default_model import DEFAULT_MODEL_NAME
 
     return os.path.basename(os.path.normpath(path)) if path else DEFAULT_MODEL_NAME
 

@@ -9,8 +9,8 @@ from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
 from hf_paged.decode_runner import MODES as DECODE_MODES
 from hf_paged.decode_runner import check_buckets, default_buckets
 from hf_paged.kernels import BACKENDS
-from hf_paged.kernels.packed_linear import KIND_NAMES as PACKING_KIND_NAMES
-from hf_paged.kernels.packed_linear import KINDS as PACKING_KINDS
+from hf_paged.cpu.packed_linear import KIND_NAMES as PACKING_KIND_NAMES
+from hf_paged.cpu.packed_linear import KINDS as PACKING_KINDS
 from hf_paged.spec_decode.config import SpeculativeConfig
 
 
@@ -58,7 +58,7 @@ class EngineConfig:
         decode_runner: How decode steps (every sequence adds 1 token, or 1 + k when verifying drafts) run
             when not ``enforce_eager``: "auto" (CUDA graphs on CUDA; on CPU the native decode program where
             the model fits it, else the dynamic eager path), "native" (the step's kernel calls recorded once
-            and replayed, no padding: :mod:`hf_paged.hf.native_program`; error if the model does not fit),
+            and replayed, no padding: :mod:`hf_paged.cpu.native_program`; error if the model does not fit),
             "cuda_graphs", "inductor" (``torch.compile`` per bucket, cached on disk; turns weight packing off)
             or "static" (padded buckets run eagerly: the CPU twin of the graphs).
         decode_buckets: Batch sizes decode steps are padded up to (positive, increasing, at most

@@ -63,7 +63,7 @@ def check_buckets(buckets: object, max_num_seqs: int) -> tuple[int, ...]:
 def resolve_mode(mode: str, enforce_eager: bool, device: torch.device) -> str | None:
     """The decode mode to use, or None for the dynamic eager path only.
 
-    "auto" is CUDA graphs on CUDA and the native decode program (:mod:`hf_paged.hf.native_program`: the
+    "auto" is CUDA graphs on CUDA and the native decode program (:mod:`hf_paged.cpu.native_program`: the
     step's kernel calls recorded once and replayed, no padding) on CPU, where the model fits it; the engine
     falls back to the dynamic eager path where it does not. The padded static forward and inductor measured
     no faster than the dynamic path with packed linears on an AVX2 host (docs/performance.md), inductor at
@@ -284,7 +284,7 @@ def configure_inductor(num_shapes: int) -> None:
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
-    from hf_paged.models import cache_dir
+    from hf_paged.env import cache_dir
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     inductor_config.freezing = False

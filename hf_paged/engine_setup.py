@@ -11,8 +11,8 @@ import torch
 
 from hf_paged import attention, model_patches
 from hf_paged.config import EngineConfig
-from hf_paged.kernels import cpu_attention, fused_ops, packed_linear
-from hf_paged.kernels.packed_model import PackedLinears
+from hf_paged.cpu import attention as cpu_attention, fused_ops, packed_linear
+from hf_paged.cpu.packed_model import PackedLinears
 from hf_paged.kv_pool import KVPool, decide_num_blocks, probe_kv_layout
 
 logger = logging.getLogger(__name__)
@@ -98,8 +98,8 @@ def make_program(model: torch.nn.Module, cfg: EngineConfig, pool: KVPool, backen
     """The native decode program (``decode_runner`` "native", or "auto" on CPU) where the model fits it, else
     None; ValueError naming the reason where "native" was asked for explicitly and cannot be had."""
     from hf_paged.decode_runner import resolve_mode
-    from hf_paged.hf.native_program import DecodeProgram  # hf/ imports the engine: import late
-    from hf_paged.hf.program_fit import hooks, skipped_modules, why_not
+    from hf_paged.cpu.native_program import DecodeProgram  # hf/ imports the engine: import late
+    from hf_paged.cpu.program_fit import hooks, skipped_modules, why_not
 
     if resolve_mode(cfg.decode_runner, cfg.enforce_eager, pool.device) != "native":
         return None
@@ -129,7 +129,7 @@ def make_proposer(spec, runner, max_model_len: int):
 
     draft = spec.model
     if isinstance(draft, str) and spec.self_draft_layers is None:
-        from hf_paged.models import load_model
+        from hf_paged.default_model import load_model
 
         if not os.path.isdir(draft):
             raise ValueError(f"speculative_config model {draft!r}: no such folder (give a model, a folder or 'self:N')")
@@ -196,7 +196,7 @@ def eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
 
 def maybe_fuse(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
     """The model's fused decoder layers (shared with other engines on the same model), or None."""
-    from hf_paged.hf.fused_layers import (  # hf/ imports the engine: import late
+    from hf_paged.cpu.fused_layers import (  # hf/ imports the engine: import late
         FAMILIES,
         FusedLayers,
     )

@@ -28,6 +28,13 @@ PACKAGES = ("torch", "transformers", "triton", "accelerate", "safetensors", "hf-
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def cache_dir() -> Path:
+    """hf_paged's cache folder: ``$HF_PAGED_CACHE``, else ``~/.cache/hf_paged`` (the converted default model,
+    built C kernels, inductor artifacts)."""
+    root = os.environ.get("HF_PAGED_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_paged")
+    return Path(root)
+
+
 def _version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
@@ -76,7 +83,7 @@ def _runtime_libs() -> tuple[str, str]:
 
 
 def _compiler() -> str:
-    from hf_paged.kernels import native
+    from hf_paged.cpu import native
 
     cc = native.compiler()
     if cc is None:
@@ -97,7 +104,8 @@ def _gpus() -> list[str]:
 
 def kernel_choices(dtype: torch.dtype, device: str = "cpu") -> dict[str, str]:
     """The linear and attention kernels the engine uses for ``dtype`` on ``device``, each with its reason."""
-    from hf_paged.kernels import cpu_attention, fused_ops, packed_linear, resolve_backend
+    from hf_paged.cpu import attention as cpu_attention, fused_ops, packed_linear
+    from hf_paged.kernels import resolve_backend
 
     if device == "cuda":
         backend = resolve_backend("auto", torch.device("cuda"), dtype)

@@ -1,5 +1,5 @@
 """``PagedGenerator``: request intake, the step loop and batch generation (streams, queued outputs and beam
-search: :mod:`hf_paged.generator_outputs`)."""
+search: :mod:`hf_paged.generator_clients`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections import abc
 
 import torch
 
@@ -25,19 +25,19 @@ from hf_paged.spec_decode.config import SpeculativeConfig
 from hf_paged.spec_decode.speculator import Speculator, spec_key
 from hf_paged.kernels import resolve_backend
 from hf_paged.output_processor import OutputProcessor, RequestState
-from hf_paged.generator_outputs import GeneratorOutputs
+from hf_paged.generator_clients import GeneratorClients
 from hf_paged.outputs import EngineStats, RequestOutput
-from hf_paged.request import Request, RequestStatus
+from hf_paged.sequence import Sequence, SequenceStatus
 from hf_paged.runner import ModelRunner
 from hf_paged.sampling import Sampler
 from hf_paged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int] | torch.Tensor
+Prompt = str | abc.Sequence[int] | torch.Tensor
 
 
-class PagedGenerator(GeneratorOutputs):
+class PagedGenerator(GeneratorClients):
     """A continuous-batching engine over a HuggingFace causal LM, with a paged KV cache.
 
     Args:
@@ -141,7 +141,7 @@ class PagedGenerator(GeneratorOutputs):
 
     def _make_request(
         self, prompt, sampling_params, request_id, priority, tokenizer=None, return_scores=False, speculative=None,
-    ) -> tuple[Request, RequestState]:
+    ) -> tuple[Sequence, RequestState]:
         """Validate one request (raising ValueError/TypeError) without admitting it."""
         self._check_usable()
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -160,7 +160,7 @@ class PagedGenerator(GeneratorOutputs):
         outside = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
         if outside:
             raise ValueError(f"stop_token_ids {outside} are outside the vocabulary [0, {self.vocab_size})")
-        request = Request(rid, ids, params, self.eos_token_ids, self.max_model_len, prompt=text, priority=priority)
+        request = Sequence(rid, ids, params, self.eos_token_ids, self.max_model_len, prompt=text, priority=priority)
         spec = SpeculativeConfig.from_value(speculative) if speculative is not None else self.config.speculative_config
         if spec is not None and params.num_speculative_tokens != 0:
             request.spec_key, request.spec_k, request.spec_lookahead, request.spec_disable_batch_size = (
@@ -181,7 +181,7 @@ class PagedGenerator(GeneratorOutputs):
         lookahead = spec.num_speculative_tokens if spec.method == "draft_model" else 0
         return key, spec.num_speculative_tokens, lookahead, spec.disable_by_batch_size
 
-    def _admit(self, request: Request, state: RequestState, queue_outputs: bool) -> None:
+    def _admit(self, request: Sequence, state: RequestState, queue_outputs: bool) -> None:
         if state.request_id in self.outputs.requests:
             raise ValueError(f"request id {state.request_id!r} is already in use")
         self.scheduler.add_request(request)
@@ -199,7 +199,7 @@ class PagedGenerator(GeneratorOutputs):
             self._pending.append(self.outputs.emit(state))
             return True
 
-    def fail_requests(self, request_ids: Sequence[str], message: str) -> list[RequestOutput]:
+    def fail_requests(self, request_ids: abc.Sequence[str], message: str) -> list[RequestOutput]:
         """Finish requests with ``finish_reason="error"`` and ``message``, free their blocks, and return (and
         queue) their outputs; unknown or finished ids are skipped. For a driver whose ``step()`` raised."""
         with self._lock:
@@ -209,7 +209,7 @@ class PagedGenerator(GeneratorOutputs):
                 for seq in state.seqs.values() if state is not None else ():
                     if not seq.is_finished:
                         seq.error = message
-                        self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_ERROR)
+                        self.scheduler.finish_request(seq.seq_id, SequenceStatus.FINISHED_ERROR)
                         failed.append(seq)
             return self.outputs.process(failed, self.scheduler)
 
@@ -287,10 +287,10 @@ class PagedGenerator(GeneratorOutputs):
         failed = []
         for seq_id in [s.seq_id for s in out.scheduled] + out.preempted_seq_ids + out.swapped_in_seq_ids:
             request = self.scheduler.requests.get(seq_id)
-            if request is None or (seq_id in out.preempted_seq_ids and request.status is not RequestStatus.SWAPPED):
+            if request is None or (seq_id in out.preempted_seq_ids and request.status is not SequenceStatus.SWAPPED):
                 continue  # recompute victims lost nothing
             request.error = message
-            self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_ERROR)
+            self.scheduler.finish_request(seq_id, SequenceStatus.FINISHED_ERROR)
             failed.append(request)
         for search in list(self._beam_searches):
             if any(r.seq_id not in self.scheduler.requests for row in search.running for r in row):
@@ -302,10 +302,10 @@ class PagedGenerator(GeneratorOutputs):
     # -- high level ---------------------------------------------------------------------------------
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Prompt | abc.Sequence[Prompt],
+        sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        priority: int | Sequence[int] = 0,
+        priority: int | abc.Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """Generate for every prompt as one continuous batch; outputs come back in input order.
 

@@ -12,8 +12,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from hf_paged.outputs import CompletionOutput, RequestOutput, StopStringChecker
-from hf_paged.request import Request, RequestStatus
+from hf_paged.detokenizer import StopStringChecker
+from hf_paged.outputs import CompletionOutput, RequestOutput
+from hf_paged.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -26,13 +27,13 @@ class RequestState:
     n: int
     arrival_time: float
     tokenizer: object = None
-    seqs: dict[int, Request] = field(default_factory=dict)  # index -> sequence (samples appear when forked)
+    seqs: dict[int, Sequence] = field(default_factory=dict)  # index -> sequence (samples appear when forked)
     stop_checkers: dict[int, StopStringChecker] = field(default_factory=dict)
     queue: deque | None = None  # outputs for a caller that reads this request's outputs
     scores: dict[int, list] | None = None  # index -> processed logits rows (HF output_scores)
 
     @property
-    def first(self) -> Request:
+    def first(self) -> Sequence:
         return self.seqs[0]
 
     @property
@@ -51,7 +52,7 @@ class OutputProcessor:
         # finished requests whose outputs (or scores) a reader has yet to take: kept until read
         self.finished_queues: dict[str, RequestState] = {}
 
-    def add(self, state: RequestState, first: Request, stop: list[str] | None, with_queue: bool) -> None:
+    def add(self, state: RequestState, first: Sequence, stop: list[str] | None, with_queue: bool) -> None:
         state.seqs[0] = first
         if with_queue:
             state.queue = deque()
@@ -62,7 +63,7 @@ class OutputProcessor:
     def state_of(self, request_id: str) -> RequestState | None:
         return self.requests.get(request_id)
 
-    def process(self, changed: list[Request], scheduler, scores: dict | None = None) -> list[RequestOutput]:
+    def process(self, changed: list[Sequence], scheduler, scores: dict | None = None) -> list[RequestOutput]:
         """Register forked samples, match stop strings, and build the outputs of the requests that changed."""
         touched: dict[str, RequestState] = {}
         for seq in changed:
@@ -84,11 +85,11 @@ class OutputProcessor:
                 seq.error = f"stop string check failed: {type(e).__name__}: {e}"
                 state.stop_checkers.pop(seq.index, None)
                 if not seq.is_finished:
-                    scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_ERROR)
+                    scheduler.finish_request(seq.seq_id, SequenceStatus.FINISHED_ERROR)
             touched[state.request_id] = state
         return [self.emit(state) for state in touched.values()]
 
-    def _check_stop_string(self, state: RequestState, seq: Request, scheduler) -> None:
+    def _check_stop_string(self, state: RequestState, seq: Sequence, scheduler) -> None:
         checker = state.stop_checkers.get(seq.index)
         if checker is None:
             return
@@ -96,9 +97,9 @@ class OutputProcessor:
         if stop is not None:
             seq.stop_str = stop
             if seq.is_finished:  # the same token also hit max_tokens: the stop string wins
-                seq.status = RequestStatus.FINISHED_STOPPED
+                seq.status = SequenceStatus.FINISHED_STOPPED
             else:
-                scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
+                scheduler.finish_request(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
         if seq.is_finished:
             del state.stop_checkers[seq.index]
 

@@ -16,7 +16,8 @@ import torch
 from hf_paged.attention import METADATA_KWARG, AttentionMetadata, engine_forward
 from hf_paged.kv_pool import KVPool
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SampledLogprobs, ScheduledSequence, SchedulerOutput
-from hf_paged.kernels import TorchAttentionPlan, cpu_attention
+from hf_paged.cpu import attention as cpu_attention
+from hf_paged.kernels import TorchAttentionPlan
 from hf_paged.sampling import Sampler, SeqState
 from hf_paged.spec_decode.speculator import Speculator
 from hf_paged.spec_decode.verifier import verify
@@ -83,8 +84,8 @@ class ModelRunner:
         self.states: dict[int, SeqState] = {}
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._native_max_q = cpu_attention.MAX_Q if backend == "cpu" and pool.supports_native() else 0
-        self.fused_layers = False  # the model's decoder layers have the fused CPU forward (hf/fused_layers.py)
-        self.program = None  # a DecodeProgram (hf/native_program.py) replaying native steps, or None
+        self.fused_layers = False  # the model's decoder layers have the fused CPU forward (cpu/fused_layers.py)
+        self.program = None  # a DecodeProgram (cpu/native_program.py) replaying native steps, or None
 
     def update_states(self, out: SchedulerOutput) -> None:
         for seq_id in out.finished_seq_ids:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_paged.core.scheduler_output import NewSequenceData
-from hf_paged.kernels import fused_ops
+from hf_paged.cpu import fused_ops
 from hf_paged.sampling_params import SamplingParams
 
 

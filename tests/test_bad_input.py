@@ -354,7 +354,7 @@ def test_non_finite_logits_fail_their_request_with_a_clear_message(engine, monke
 
 
 def test_an_exception_in_a_stop_string_check_fails_only_that_request(engine, monkeypatch):
-    from hf_paged.models import load_default
+    from hf_paged.default_model import load_default
 
     model, tok = load_default()
     e = PagedGenerator(model, tok, max_num_seqs=4)

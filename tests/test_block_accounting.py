@@ -19,7 +19,7 @@ from hf_paged.core.block_pool import hash_block_tokens
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, Scheduler
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from hf_paged.request import Request, RequestStatus
+from hf_paged.sequence import Sequence, SequenceStatus
 from hf_paged.sampling_params import SamplingParams
 
 OPS = {"count": 0, "preempt": {"recompute": 0, "swap": 0}, "prefix_hits": 0, "copies": 0, "forks": 0,
@@ -96,7 +96,7 @@ class BlockAccounting(RuleBasedStateMachine):
         OPS["count"] += 1
         prompt = PREFIXES[prefix][:cut] + tail
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, n=n)
-        request = Request(f"r{self.n}", prompt, params, eos_token_ids=frozenset({0}), priority=priority)
+        request = Sequence(f"r{self.n}", prompt, params, eos_token_ids=frozenset({0}), priority=priority)
         if speculate is not None:  # ngram-like (no look-ahead) or draft-model-like (3 look-ahead slots)
             request.spec_key, request.spec_k, request.spec_lookahead = "fake", 3, speculate
         self.n += 1
@@ -123,7 +123,7 @@ class BlockAccounting(RuleBasedStateMachine):
         OPS["copies"] += len(out.block_copies)
         for seq_id in out.preempted_seq_ids:
             request = self.sched.requests[seq_id]
-            OPS["preempt"]["swap" if request.status is RequestStatus.SWAPPED else "recompute"] += 1
+            OPS["preempt"]["swap" if request.status is SequenceStatus.SWAPPED else "recompute"] += 1
         result = self.runner.execute(out)
         self.sched.update(out, result)
         OPS["prefix_hits"] += self.kv.prefix_hits > hits

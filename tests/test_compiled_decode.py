@@ -96,7 +96,7 @@ def test_static_buckets_equal_eager_and_stock_generate(arch):
 
 
 def test_static_buckets_on_the_default_model():
-    from hf_paged.models import load_default
+    from hf_paged.default_model import load_default
 
     model, tok = load_default()
     prompts = [tok(t)["input_ids"] for t in ("The capital of France is", "Once upon a time", "def add(a, b):")]

@@ -1,4 +1,4 @@
-"""The fused CPU decoder-layer forward (hf/fused_layers.py) and its kernels (kernels/fused_ops.py)."""
+"""The fused CPU decoder-layer forward (cpu/fused_layers.py) and its kernels (cpu/fused_ops.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 import transformers
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.kernels import fused_ops
-from hf_paged.kernels.native import NativeLibrary
+from hf_paged.cpu import fused_ops
+from hf_paged.cpu.native import NativeLibrary
 from tests.helpers import make_model, make_prompts, stock_greedy
 
 
@@ -156,7 +156,7 @@ def test_fused_layers_run_qkv_and_gate_up_as_one_gemm_each(arch):
     """With packed linears the fused forward runs q/k/v as one GEMM and gate/up as another (memory: the members'
     own packs are dropped), follows a weight changed between steps, and a member called on its own (a forward
     outside the fused path) packs itself again."""
-    from hf_paged.hf.fused_layers import GATE_UP, QKV
+    from hf_paged.cpu.fused_layers import GATE_UP, QKV
 
     model = make_model(arch, seed=7)
     prompts = make_prompts(3, lengths=[5, 18, 33], seed=7)

@@ -181,7 +181,7 @@ def test_engine_beam_search_shares_blocks_and_frees_pruned_beams():
 
 
 def test_beam_search_on_the_default_model_equals_stock():
-    from hf_paged.models import load_default
+    from hf_paged.default_model import load_default
 
     model, tok = load_default()
     chats = [[{"role": "user", "content": "Name a fruit."}], [{"role": "user", "content": "What is 3 + 4?"}]]

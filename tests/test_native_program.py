@@ -1,4 +1,4 @@
-"""The native decode program (hf/native_program.py): recorded kernel calls replayed per decode step."""
+"""The native decode program (cpu/native_program.py): recorded kernel calls replayed per decode step."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import transformers
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.kernels import packed_linear
-from hf_paged.kernels.native_gemm import NATIVE_GEMM
+from hf_paged.cpu import packed_linear
+from hf_paged.cpu.native_gemm import NATIVE_GEMM
 from tests.helpers import make_model, make_prompts, stock_greedy
 
 # the program runs on the native GEMM: force that packing (a tiny model's start-up timing may pick F.linear)

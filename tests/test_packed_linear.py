@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.attention import engine_forward, engine_forward_active
-from hf_paged.kernels import native_gemm, packed_linear
-from hf_paged.kernels.native import NativeLibrary
-from hf_paged.kernels.packed_linear import NativePackedWeight, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight
-from hf_paged.kernels.packed_model import PackedLinears
+from hf_paged.cpu import native_gemm, packed_linear
+from hf_paged.cpu.native import NativeLibrary
+from hf_paged.cpu.packed_linear import NativePackedWeight, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight
+from hf_paged.cpu.packed_model import PackedLinears
 
 needs_mkl = pytest.mark.skipif(not packed_linear.available("mkl"), reason="torch without MKL's packed sgemm")
 needs_onednn = pytest.mark.skipif(not packed_linear.available("onednn"), reason="torch without oneDNN")
@@ -255,7 +255,7 @@ def test_inference_tensor_weights_are_not_packed(kind, monkeypatch):
     import transformers
 
     from hf_paged import PagedGenerator, SamplingParams
-    from hf_paged.kernels import packed_model
+    from hf_paged.cpu import packed_model
     from tests.helpers import stock_greedy
 
     monkeypatch.setattr(packed_model, "fastest_kind", lambda *a, **k: kind)
@@ -285,7 +285,7 @@ def test_bad_prepack_value_leaves_model_untouched():
 
 
 def test_packing_choice_margins():
-    from hf_paged.kernels.packed_linear import choose_kind
+    from hf_paged.cpu.packed_linear import choose_kind
 
     assert choose_kind({"torch": 100, "onednn": 95, "native": 97}) == "torch"  # not clearly faster than F.linear
     assert choose_kind({"torch": 100, "onednn": 80, "native": 70}) == "native"

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.kernels import cpu_attention, fused_ops, packed_linear, probes, reset_fast_paths
+from hf_paged.cpu import attention as cpu_attention, fused_ops, packed_linear, probes
+from hf_paged.kernels import reset_fast_paths
 from tests.helpers import make_model, make_prompts, stock_greedy
 
 PROMPTS = make_prompts(4, [1, 9, 40, 70], seed=3)

@@ -10,13 +10,13 @@ import pytest
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from hf_paged.request import Request, RequestStatus
+from hf_paged.sequence import Sequence, SequenceStatus
 from hf_paged.sampling_params import SamplingParams
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int = 8, priority: int = 0, first: int = 1, **kw) -> Request:
+def make_request(rid: str, prompt_len: int, max_tokens: int = 8, priority: int = 0, first: int = 1, **kw) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
-    return Request(rid, list(range(first, first + prompt_len)), params, eos_token_ids=frozenset({0}), priority=priority)
+    return Sequence(rid, list(range(first, first + prompt_len)), params, eos_token_ids=frozenset({0}), priority=priority)
 
 
 def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
@@ -55,7 +55,7 @@ def blocks(sched, request):
 
 def test_scheduling_layer_imports_neither_torch_nor_transformers():
     code = (
-        "import sys, hf_paged.core.scheduler, hf_paged.core.kv_cache_manager, hf_paged.request, "
+        "import sys, hf_paged.core.scheduler, hf_paged.core.kv_cache_manager, hf_paged.sequence, "
         "hf_paged.core.scheduler_output; "
         "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; "
         "assert not bad, bad"
@@ -69,7 +69,7 @@ def test_scheduler_output_is_plain_data():
     out = sched.schedule()
 
     def walk(value):
-        assert not isinstance(value, Request), "a live Request crossed into the runner"
+        assert not isinstance(value, Sequence), "a live Sequence crossed into the runner"
         if dataclasses.is_dataclass(value):
             for f in dataclasses.fields(value):
                 walk(getattr(value, f.name))
@@ -166,7 +166,7 @@ def test_preemption_of_newest_and_exact_resume():
     out = run_step(sched, token=13)  # a needs a 3rd block: b (newest) is preempted
     assert out.preempted_seq_ids == [b.seq_id] and sched.num_preemptions == {"recompute": 1, "swap": 0}
     assert sched_view(sched, out) == [("a", 4, 1, True)]
-    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.status is SequenceStatus.PREEMPTED and b.num_computed_tokens == 0
     # b's blocks went back tail first (3, then 2) to the head; a takes the head of the free queue
     assert blocks(sched, a) == [0, 1, 2]
     assert sched.kv.pool.free_block_ids() == [3]
@@ -174,7 +174,7 @@ def test_preemption_of_newest_and_exact_resume():
     assert list(sched.waiting) == [b]
     while not a.is_finished:
         run_step(sched, token=14)
-    assert a.output_token_ids == [11, 12, 13, 14] and a.status is RequestStatus.FINISHED_LENGTH
+    assert a.output_token_ids == [11, 12, 13, 14] and a.status is SequenceStatus.FINISHED_LENGTH
     # b resumes: its prompt and both generated tokens are prefilled again, then decoding continues
     out = run_step(sched, token=15)
     assert sched_view(sched, out) == [("b", 0, 5, True)]
@@ -195,7 +195,7 @@ def test_swap_preemption_copies_blocks_out_and_back():
     run_step(sched, token=12)
     out = run_step(sched, token=13)
     assert out.preempted_seq_ids == [b.seq_id] and out.swap_out == [(2, 0), (3, 1)]
-    assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens == 4 and sched.swapped == [b]
+    assert b.status is SequenceStatus.SWAPPED and b.num_computed_tokens == 4 and sched.swapped == [b]
     assert sched.num_preemptions == {"recompute": 0, "swap": 1}
     while not a.is_finished:
         out = run_step(sched, token=14)
@@ -222,7 +222,7 @@ def test_auto_preemption_swaps_samples_of_a_group_and_recomputes_singles():
         for seq_id in out.preempted_seq_ids:
             victim = sched.requests[seq_id]
             modes[victim.request_id].add(victim.status)
-    assert modes["g"] <= {RequestStatus.SWAPPED} and modes["s"] <= {RequestStatus.PREEMPTED}
+    assert modes["g"] <= {SequenceStatus.SWAPPED} and modes["s"] <= {SequenceStatus.PREEMPTED}
     assert modes["g"] or modes["s"]  # the pool really ran out
     assert sched.kv.num_free_blocks == 8
 
@@ -249,7 +249,7 @@ def test_stop_conditions():
         sched.add_request(r)
     out = sched.schedule()
     sched.update(out, ModelRunnerOutput({eos.seq_id: [0], minimum.seq_id: [0], stop.seq_id: [0]}))
-    assert eos.status is RequestStatus.FINISHED_STOPPED and eos.output_token_ids == [0]
+    assert eos.status is SequenceStatus.FINISHED_STOPPED and eos.output_token_ids == [0]
     assert not minimum.is_finished and not stop.is_finished  # min_tokens; ignore_eos
     out = sched.schedule()
     sched.update(out, ModelRunnerOutput({minimum.seq_id: [0], stop.seq_id: [9]}))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_paged import AsyncPagedEngine, PagedGenerator, SamplingParams
-from hf_paged.models import load_default
+from hf_paged.default_model import load_default
 from hf_paged.ui import ChatDemo, build_prompt
 from hf_paged.ui.chat import STOPPED
 

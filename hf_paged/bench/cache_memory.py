@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     args = p.parse_args(argv)
 
-    from hf_paged.models import load_default, load_model, parse_dtype
+    from hf_paged.default_model import load_default, load_model, parse_dtype
 
     dtype = parse_dtype(args.dtype)
     if args.model == "tiny":

@@ -22,7 +22,7 @@ import time
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler_output import ModelRunnerOutput, NewSequenceData, ScheduledSequence, SchedulerOutput
 from hf_paged.core.waiting_queue import WaitingQueue
-from hf_paged.request import Request, RequestStatus
+from hf_paged.sequence import Sequence, SequenceStatus
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -42,7 +42,7 @@ class Scheduler:
         preemption_mode: "recompute", "swap" (falls back to recompute when the host pool is full) or "auto"
             (swap the members of a group, i.e. n > 1 samples and beams, recompute single sequences).
 
-    Speculative decoding is per request (``Request.spec_key`` and friends): a decoding sequence with drafts
+    Speculative decoding is per request (``Sequence.spec_key`` and friends): a decoding sequence with drafts
     (from the runner's previous output) runs ``1 + len(drafts)`` tokens, drafts cut to the budget and dropped
     before anyone is preempted for them, and only while fewer sequences than its ``spec_disable_batch_size``
     are queued; ``spec_lookahead`` slots behind it are set aside for a draft model's KV.
@@ -74,9 +74,9 @@ class Scheduler:
         self.policy = scheduling_policy
         self.preemption_mode = preemption_mode
         self.waiting = WaitingQueue(scheduling_policy)
-        self.running: list[Request] = []  # in scheduling order
-        self.swapped: list[Request] = []  # in scheduling order
-        self.requests: dict[int, Request] = {}  # seq_id -> every live sequence
+        self.running: list[Sequence] = []  # in scheduling order
+        self.swapped: list[Sequence] = []  # in scheduling order
+        self.requests: dict[int, Sequence] = {}  # seq_id -> every live sequence
         self._seq_ids = itertools.count()
         self._known: set[int] = set()  # sequences the runner has state for
         self._finished_since_schedule: list[int] = []
@@ -93,7 +93,7 @@ class Scheduler:
     def next_seq_id(self) -> int:
         return next(self._seq_ids)
 
-    def check_request(self, request: Request) -> None:
+    def check_request(self, request: Sequence) -> None:
         """Raise ValueError if the request can never run; nothing is changed."""
         n = request.num_prompt_tokens
         if n == 0:
@@ -120,21 +120,21 @@ class Scheduler:
                 f"({self.kv.num_blocks} blocks x {self.kv.block_size} tokens)"
             )
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Sequence) -> None:
         self.check_request(request)
         if request.seq_id is None:
             request.seq_id = self.next_seq_id()
         assert request.seq_id not in self.requests, f"sequence {request.seq_id} is already live"
-        request.status = RequestStatus.WAITING
+        request.status = SequenceStatus.WAITING
         request.max_model_len = self.max_model_len
         self.requests[request.seq_id] = request
         self.waiting.push(request)
 
-    def abort_request(self, seq_id: int) -> Request | None:
+    def abort_request(self, seq_id: int) -> Sequence | None:
         """Finish a sequence as aborted and free its blocks; None if it is unknown or already finished."""
-        return self.finish_request(seq_id, RequestStatus.FINISHED_ABORTED)
+        return self.finish_request(seq_id, SequenceStatus.FINISHED_ABORTED)
 
-    def finish_request(self, seq_id: int, status: RequestStatus) -> Request | None:
+    def finish_request(self, seq_id: int, status: SequenceStatus) -> Sequence | None:
         """Finish a live sequence with ``status`` (a stop string, an error, an abort) and free its blocks."""
         assert status.finished, f"{status} is not a finished status"
         request = self.requests.get(seq_id)
@@ -218,7 +218,7 @@ class Scheduler:
             out.swap_in.extend(self.kv.swap_in(request.seq_id))
             out.swapped_in_seq_ids.append(request.seq_id)
             self.swapped.remove(request)
-            request.status = RequestStatus.RUNNING
+            request.status = SequenceStatus.RUNNING
             self._insert_running(request)
             if num_new > 0:
                 assert self.kv.allocate_slots(request.seq_id, request.num_computed_tokens, num_new) is not None
@@ -261,14 +261,14 @@ class Scheduler:
                 request.num_cached_tokens = num_computed
                 self.kv.record_prefix_query(request.num_prompt_tokens, min(num_computed, request.num_prompt_tokens))
             request.num_computed_tokens = num_computed
-            request.status = RequestStatus.RUNNING
+            request.status = SequenceStatus.RUNNING
             self._insert_running(request)
             self._schedule(out, request, num_new)
             budget -= num_new
             active += 1
         return budget
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int] = ()) -> None:
+    def _schedule(self, out: SchedulerOutput, request: Sequence, num_new: int, drafts: list[int] = ()) -> None:
         start = request.num_computed_tokens
         sample = start + num_new == request.num_tokens
         if request.seq_id not in self._known:
@@ -287,16 +287,16 @@ class Scheduler:
             propose=sample and self._speculates(request),
         ))
 
-    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Sequence]:
         """Advance computed tokens, fork samples, append sampled tokens, finish what stopped or failed.
 
         Returns the sequences that received tokens, forked, or finished this step.
         """
         now = time.time()
-        changed: list[Request] = []
+        changed: list[Sequence] = []
         for item in out.scheduled:
             request = self.requests.get(item.seq_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if request is None or request.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             tokens = result.sampled_token_ids.get(item.seq_id)
             if item.num_draft_tokens:
@@ -319,28 +319,28 @@ class Scheduler:
                         self.append_tokens(child, child_tokens, result, now)
                     else:
                         child.error = result.errors.get(child_id, "no token was sampled for this sample")
-                        self.finish_request(child_id, RequestStatus.FINISHED_ERROR)
+                        self.finish_request(child_id, SequenceStatus.FINISHED_ERROR)
                     changed.append(child)
             error = result.errors.get(item.seq_id)
             if error is not None:
                 request.error = error
-                self.finish_request(request.seq_id, RequestStatus.FINISHED_ERROR)
+                self.finish_request(request.seq_id, SequenceStatus.FINISHED_ERROR)
                 changed.append(request)
                 continue
             if tokens:
                 self.append_tokens(request, tokens, result, now)
                 changed.append(request)
-            if request.status is RequestStatus.RUNNING:
+            if request.status is SequenceStatus.RUNNING:
                 # only verified tokens are hashed: num_computed counts none of the rejected drafts
                 self.kv.cache_blocks(request.seq_id, request, request.num_computed_tokens)
                 request.spec_token_ids = result.spec_token_ids.get(item.seq_id, [])
         return changed
 
-    def _speculates(self, request: Request) -> bool:
+    def _speculates(self, request: Sequence) -> bool:
         limit = request.spec_disable_batch_size
         return request.spec_key is not None and (limit is None or self._queued < limit)
 
-    def _lookahead(self, out: SchedulerOutput, request: Request, num_new: int, num_computed: int | None = None) -> int:
+    def _lookahead(self, out: SchedulerOutput, request: Sequence, num_new: int, num_computed: int | None = None) -> int:
         """Slots behind a sequence that reaches its sampling point, for a draft model's KV while it proposes."""
         start = request.num_computed_tokens if num_computed is None else num_computed
         if not request.spec_lookahead or start + num_new < request.num_tokens or not self._speculates(request):
@@ -357,22 +357,22 @@ class Scheduler:
             self.spec_accepted_per_position[i] += 1
 
     # -- sequences of a group (n > 1, beams) ------------------------------------------------------------
-    def fork_sequence(self, parent: Request, index: int, seq_id: int | None = None) -> Request:
+    def fork_sequence(self, parent: Sequence, index: int, seq_id: int | None = None) -> Sequence:
         """A sibling of ``parent`` sharing its blocks (copy-on-write), behind it in scheduling order."""
         child = parent.fork(self.next_seq_id() if seq_id is None else seq_id, index)
         self.requests[child.seq_id] = child
         if parent.seq_id in self.kv.tables:
             self.kv.fork(parent.seq_id, child.seq_id)
-            child.status = RequestStatus.RUNNING
+            child.status = SequenceStatus.RUNNING
             self._insert_running(child)
         else:  # the parent was preempted (its KV dropped or on the host): the child recomputes its own
             child.num_computed_tokens = 0
-            child.status = RequestStatus.PREEMPTED
+            child.status = SequenceStatus.PREEMPTED
             self.waiting.push(child, front=True)
         return child
 
     def append_tokens(
-        self, request: Request, tokens: list[int], result: ModelRunnerOutput | None = None, now: float | None = None
+        self, request: Sequence, tokens: list[int], result: ModelRunnerOutput | None = None, now: float | None = None
     ) -> None:
         """Append tokens one by one, stopping (and finishing the sequence) at the first that ends it."""
         logprobs = result.logprobs.get(request.seq_id) if result is not None else None
@@ -392,43 +392,43 @@ class Scheduler:
                 break
 
     # -- helpers ------------------------------------------------------------------------------------
-    def _insert_running(self, request: Request) -> None:
+    def _insert_running(self, request: Sequence) -> None:
         if self.policy == "fcfs":
             self.running.append(request)
         else:
-            bisect.insort(self.running, request, key=Request.sort_key)
+            bisect.insort(self.running, request, key=Sequence.sort_key)
 
-    def _preemption_mode(self, request: Request) -> str:
+    def _preemption_mode(self, request: Sequence) -> str:
         if self.preemption_mode == "auto":
             grouped = request.sampling_params.n > 1 or request.is_beam
             return "swap" if grouped else "recompute"
         return self.preemption_mode
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(request)
         request.num_preemptions += 1
         out.preempted_seq_ids.append(request.seq_id)
         if self._preemption_mode(request) == "swap" and self.kv.can_swap_out(request.seq_id):
             out.swap_out.extend(self.kv.swap_out(request.seq_id))
-            request.status = RequestStatus.SWAPPED
-            bisect.insort(self.swapped, request, key=Request.sort_key)
+            request.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, request, key=Sequence.sort_key)
             self.num_preemptions["swap"] += 1
             return
         self.kv.free(request.seq_id)
         request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+        request.status = SequenceStatus.PREEMPTED
         self.waiting.push(request, front=True)
         self.num_preemptions["recompute"] += 1
 
-    def _remove_from_queue(self, request: Request) -> None:
-        if request.status is RequestStatus.RUNNING:
+    def _remove_from_queue(self, request: Sequence) -> None:
+        if request.status is SequenceStatus.RUNNING:
             self.running.remove(request)
-        elif request.status is RequestStatus.SWAPPED:
+        elif request.status is SequenceStatus.SWAPPED:
             self.swapped.remove(request)
         else:
             self.waiting.remove(request)
 
-    def _finish(self, request: Request, status: RequestStatus, now: float | None = None) -> None:
+    def _finish(self, request: Sequence, status: SequenceStatus, now: float | None = None) -> None:
         if request.seq_id in self.kv.tables:  # its last full blocks stay reusable as a cached prefix
             self.kv.cache_blocks(request.seq_id, request, request.num_computed_tokens)
         self.kv.free(request.seq_id)
@@ -450,6 +450,6 @@ class Scheduler:
         assert set(self.kv.tables) <= running, "a sequence holds device blocks while not running"
         assert set(self.kv.host_tables) == swapped, "swapped sequences and host tables differ"
         for r in self.running:
-            assert r.status is RequestStatus.RUNNING and r.num_computed_tokens <= r.num_tokens, r
+            assert r.status is SequenceStatus.RUNNING and r.num_computed_tokens <= r.num_tokens, r
         for r in self.waiting:
-            assert r.num_computed_tokens == 0 and r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+            assert r.num_computed_tokens == 0 and r.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED), r

@@ -6,7 +6,7 @@ import bisect
 from collections import deque
 from collections.abc import Iterator
 
-from hf_paged.request import Request
+from hf_paged.sequence import Sequence
 
 
 class WaitingQueue:
@@ -14,22 +14,22 @@ class WaitingQueue:
 
     def __init__(self, policy: str) -> None:
         self.policy = policy
-        self._fcfs: deque[Request] = deque()
-        self._sorted: list[tuple[tuple, Request]] = []
+        self._fcfs: deque[Sequence] = deque()
+        self._sorted: list[tuple[tuple, Sequence]] = []
 
     def __len__(self) -> int:
         return len(self._fcfs) + len(self._sorted)
 
-    def __iter__(self) -> Iterator[Request]:
+    def __iter__(self) -> Iterator[Sequence]:
         return iter(self._fcfs) if self.policy == "fcfs" else (r for _, r in self._sorted)
 
-    def push(self, request: Request, front: bool = False) -> None:
+    def push(self, request: Sequence, front: bool = False) -> None:
         if self.policy == "fcfs":
             self._fcfs.appendleft(request) if front else self._fcfs.append(request)
         else:
             bisect.insort(self._sorted, (request.sort_key(), request), key=lambda e: e[0])
 
-    def remove(self, request: Request) -> None:
+    def remove(self, request: Sequence) -> None:
         if self.policy == "fcfs":
             self._fcfs.remove(request)
         else:

@@ -67,7 +67,7 @@ def pipeline(model, tokenizer=None, dtype=None, device: str | None = None, **eng
         **engine_config: :class:`~hf_paged.EngineConfig` fields.
     """
     if isinstance(model, str):
-        from hf_paged.models import load_model
+        from hf_paged.default_model import load_model
 
         model, loaded_tokenizer = load_model(model, dtype=dtype or "fp32", device=device or "cpu")
         tokenizer = tokenizer or loaded_tokenizer

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from hf_paged.kernels import cpu_attention
+from hf_paged.cpu import attention as cpu_attention
 from hf_paged.kernels.torch_attention import TorchAttentionPlan, paged_attention_torch, store_kv_torch
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -181,7 +181,7 @@ def paged_attention(
 
 def reset_fast_paths() -> None:
     """Forget every probe result, timing and loaded native library: the next use probes afresh (tests)."""
-    from hf_paged.kernels import fused_ops, packed_linear, probes
+    from hf_paged.cpu import fused_ops, packed_linear, probes
 
     probes.reset()
     packed_linear.reset()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.kernels import cpu_attention
+from hf_paged.cpu import attention as cpu_attention
 from hf_paged.kernels.torch_attention import TorchAttentionPlan, paged_attention_torch, store_kv_torch
 
 

@@ -226,7 +226,7 @@ def paged_attention_torch(
     T, H, D = query.shape
     out = None
     if plan.native_seq_ids is not None:
-        from hf_paged.kernels.cpu_attention import paged_attention_native
+        from hf_paged.cpu.attention import paged_attention_native
 
         out = query.new_empty(T, H, D)
         paged_attention_native(

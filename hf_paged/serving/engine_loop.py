@@ -20,7 +20,7 @@ from typing import Any
 
 from hf_paged.generator import PagedGenerator, Prompt
 from hf_paged.outputs import EngineStats, RequestOutput
-from hf_paged.request import RequestStatus
+from hf_paged.sequence import SequenceStatus
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.serving.common import EngineClosedError, QueueFullError, StepInfo, ThroughputWindow
 from hf_paged.serving.stream import RequestStream
@@ -33,7 +33,7 @@ __all__ = ["AsyncPagedEngine", "EngineClosedError", "QueueFullError", "StepInfo"
 @dataclass
 class _Submission:
     stream: RequestStream
-    request: Any  # hf_paged.request.Request
+    request: Any  # hf_paged.sequence.Request
     state: Any  # hf_paged.output_processor.RequestState
 
 
@@ -302,7 +302,7 @@ class AsyncPagedEngine:
         for rid, stream in list(self._unscheduled.items()):
             state = self.engine.outputs.state_of(rid)
             first = state.first if state is not None else None
-            if first is not None and first.status is RequestStatus.WAITING:
+            if first is not None and first.status is SequenceStatus.WAITING:
                 continue  # still waiting
             del self._unscheduled[rid]
             ran = first.num_computed_tokens > 0 if first is not None else stream.num_tokens_seen > 0
@@ -329,7 +329,7 @@ class AsyncPagedEngine:
         engine = self.engine
         states = [s for rid, s in list(engine.outputs.requests.items()) if rid in self._streams]
         running = [s.request_id for s in states
-                   if any(q.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for q in s.seqs.values())]
+                   if any(q.status not in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED) for q in s.seqs.values())]
         victims = running or [s.request_id for s in states]
         try:
             outputs = engine.fail_requests(victims, message)

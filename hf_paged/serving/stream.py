@@ -7,7 +7,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from hf_paged.outputs import CompletionOutput, DeltaTracker, RequestOutput, delta_output
+from hf_paged.detokenizer import DeltaTracker, delta_output
+from hf_paged.outputs import CompletionOutput, RequestOutput
 
 
 def _wake(future: asyncio.Future) -> None:

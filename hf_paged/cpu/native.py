@@ -69,7 +69,7 @@ class NativeLibrary:
         self._lock = threading.Lock()
 
     def _build(self, cc: str) -> Path:
-        from hf_paged.models import cache_dir
+        from hf_paged.env import cache_dir
 
         src = self.source.read_bytes()
         key = hashlib.sha1(src + " ".join([cc, *self.flags, _cpu_key()]).encode()).hexdigest()[:16]

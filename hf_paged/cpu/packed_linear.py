@@ -17,17 +17,17 @@ matmuls faster at every row count:
   widened and outputs rounded back. For CPUs without bf16 arithmetic (AVX2 only), where torch emulates bf16
   matmuls at ~1/6 of the fp32 speed; costs twice the bf16 weights in memory.
 
-Every packing is probed once per process and dtype (:mod:`hf_paged.kernels.probes`): oneDNN's bf16 packing,
+Every packing is probed once per process and dtype (:mod:`hf_paged.cpu.probes`): oneDNN's bf16 packing,
 for one, is in every x86 build of torch but raises on CPUs without AVX-512 BW/VL/DQ or AVX-NE-CONVERT. With
 ``kind="auto"`` the fastest of plain ``F.linear`` and the packings that work is timed once on one of the
 model's weight shapes, with the weight coming from DRAM as in an engine step, and kept, per dtype.
 
-:class:`~hf_paged.kernels.packed_model.PackedLinears` swaps the ``forward`` of every plain fp32/bf16/fp16 ``nn.Linear`` of a model for one that
+:class:`~hf_paged.cpu.packed_model.PackedLinears` swaps the ``forward`` of every plain fp32/bf16/fp16 ``nn.Linear`` of a model for one that
 uses the packed weight *only inside an engine forward* (``attention.engine_forward``) without autograd; any
 other call (training, a plain forward) runs the original ``forward``. A weight changed in place (optimizer
 step, ``load_state_dict``) or replaced is re-packed on its next use. :meth:`PackedLinears.remove` restores
 the modules. The packed copies cost about as much memory as the weights. (The model-level side, which
-modules run through which pack, is :mod:`hf_paged.kernels.packed_model`.)
+modules run through which pack, is :mod:`hf_paged.cpu.packed_model`.)
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import time
 
 import torch
 
-from hf_paged.kernels import native_gemm, probes
-from hf_paged.kernels.native_gemm import NativePackedWeight
+from hf_paged.cpu import native_gemm, probes
+from hf_paged.cpu.native_gemm import NativePackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ def _cold_bytes() -> int:
     return min(512 << 20, max(32 << 20, 2 * size)) if size else 96 << 20
 _MARGIN = {"upcast": 1.25}
 # "native" is kept unless another packing times this much faster: the native decode program
-# (hf/native_program.py) runs native packs as C calls and gains far more with them (batch 1, default model:
+# (cpu/native_program.py) runs native packs as C calls and gains far more with them (batch 1, default model:
 # 23-40% of a step) than with other packings' own linear calls (12-17%)
 NATIVE_PREFERENCE = 1.15
 _upcast_inner: str | None = None

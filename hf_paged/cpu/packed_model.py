@@ -1,7 +1,7 @@
 """The model side of packed linears: which ``nn.Linear`` modules of a model run through which pack.
 
 :class:`PackedLinears` gives every plain CPU fp32/bf16/fp16 ``nn.Linear`` a forward that uses its packed weight
-(:mod:`hf_paged.kernels.packed_linear`) inside engine forwards only; :class:`PackedGroup` packs sibling
+(:mod:`hf_paged.cpu.packed_linear`) inside engine forwards only; :class:`PackedGroup` packs sibling
 projections that read the same input (q/k/v, gate/up) as one weight, for the fused decoder layers.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_paged.kernels.packed_linear import (
+from hf_paged.cpu.packed_linear import (
     CANDIDATES, KIND_NAMES, PACKERS, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight, available, fastest_kind,
 )
 

@@ -6,7 +6,7 @@ a good share of a CPU decode step. Inside an engine forward, on CPU, this forwar
 dozen calls: fused RMSNorm, the three projections, rotary embedding of q and k in place, paged attention
 straight on ``[tokens, heads, dim]`` (no transposes), the output projection, residual add + RMSNorm in one
 pass, gate and up projections, SiLU and the product in place, the down projection and the last residual
-add. The fused kernels live in ``kernels/csrc/fused_cpu.c`` and round like the torch code they replace.
+add. The fused kernels live in ``cpu/csrc/fused_cpu.c`` and round like the torch code they replace.
 Measured on the default model (fp32, AVX2 host, steps alternating fused/unfused in one engine): decode steps
 7% faster at 64 sequences, 12% at one. Where the engine packs its linears, q/k/v run as one packed GEMM and
 gate/up as another (``PackedLinears.group``): another ~5% per decode step at 64 sequences, ~7% at one (Zen 4).
@@ -25,7 +25,7 @@ import weakref
 import torch
 
 from hf_paged import attention, model_patches
-from hf_paged.kernels import fused_ops
+from hf_paged.cpu import fused_ops
 
 logger = logging.getLogger(__name__)
 

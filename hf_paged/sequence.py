@@ -8,7 +8,7 @@ import time
 from hf_paged.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # recompute: back in the waiting queue, its KV dropped
@@ -28,14 +28,14 @@ class RequestStatus(enum.Enum):
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 
-class Request:
+class Sequence:
     """One sequence being generated: the unit the scheduler schedules.
 
     A user request with ``n > 1`` samples (or a beam search) owns several sequences: they share the user's
@@ -68,7 +68,7 @@ class Request:
         self.sampling_params = sampling_params
         self.priority = priority
         self.output_token_ids: list[int] = []
-        self.status = RequestStatus.WAITING
+        self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
@@ -138,9 +138,9 @@ class Request:
         return (self.priority, self.arrival_time, self.seq_id or 0)
 
     # -- state changes ------------------------------------------------------------------------------
-    def fork(self, seq_id: int, index: int) -> Request:
+    def fork(self, seq_id: int, index: int) -> Sequence:
         """A sibling sample: same prompt and settings, its own id, index and (so far equal) output."""
-        child = Request.__new__(Request)
+        child = Sequence.__new__(Sequence)
         child.__dict__.update(self.__dict__)
         child.seq_id, child.index = seq_id, index
         child.output_token_ids = list(self.output_token_ids)
@@ -150,22 +150,22 @@ class Request:
         child.scores = None if self.scores is None else list(self.scores)
         return child
 
-    def append_output_token(self, token_id: int, now: float | None = None) -> RequestStatus | None:
+    def append_output_token(self, token_id: int, now: float | None = None) -> SequenceStatus | None:
         """Append a sampled token; return the finished status if it ends the request, else None."""
         self.output_token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.time() if now is None else now
         return self.check_stop()
 
-    def check_stop(self) -> RequestStatus | None:
+    def check_stop(self) -> SequenceStatus | None:
         params = self.sampling_params
         n_out = len(self.output_token_ids)
         if n_out >= params.min_tokens and n_out and self.output_token_ids[-1] in self.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
+            return SequenceStatus.FINISHED_STOPPED
         if n_out >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
+            return SequenceStatus.FINISHED_LENGTH
         if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+            return SequenceStatus.FINISHED_LENGTH
         return None
 
     def __repr__(self) -> str:

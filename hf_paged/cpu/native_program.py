@@ -1,6 +1,6 @@
 """The CPU twin of a CUDA graph: a fused Llama-family decode step as a fixed list of native kernel calls.
 
-With the fused layers (:mod:`hf_paged.hf.fused_layers`) and our own packed GEMM, a CPU decode step is ~12 C
+With the fused layers (:mod:`hf_paged.cpu.fused_layers`) and our own packed GEMM, a CPU decode step is ~12 C
 calls a layer; what remains around them is Python: transformers' model and layer ``forward`` calls, the
 module hooks machinery, each call's argument checks and tensor allocations, ~80 us a layer on the 2-core
 hosts, i.e. ~2.4 ms of a 30-layer batch-1 step. Like a CUDA graph, a :class:`DecodeProgram` records the step
@@ -26,11 +26,11 @@ import logging
 import torch
 
 from hf_paged import model_patches
-from hf_paged.hf.fused_layers import GATE_UP, QKV, window_getter
-from hf_paged.hf.program_fit import DTYPES
-from hf_paged.hf.program_fit import hooks, skipped_modules, why_not
-from hf_paged.kernels import cpu_attention, fused_ops
-from hf_paged.kernels.native_gemm import NATIVE_GEMM, NativePackedWeight
+from hf_paged.cpu.fused_layers import GATE_UP, QKV, window_getter
+from hf_paged.cpu.program_fit import DTYPES
+from hf_paged.cpu.program_fit import hooks, skipped_modules, why_not
+from hf_paged.cpu import attention as cpu_attention, fused_ops
+from hf_paged.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class DecodeProgram:
     """One model's decode steps replayed as native calls over persistent buffers (see the module docstring).
 
     Args:
-        model: A Llama/Mistral/Qwen2 causal LM (checked with :func:`hf_paged.hf.program_fit.why_not`).
+        model: A Llama/Mistral/Qwen2 causal LM (checked with :func:`hf_paged.cpu.program_fit.why_not`).
         kv_caches: The engine pool's per-layer ``(k_cache, v_cache)``.
         max_rows: The most tokens a native step can have (``max_num_seqs`` x the longest native query).
     """

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from hf_paged.beam_search import BeamSearch, BeamSearchOutput
 from hf_paged.engine_setup import as_prompt_list, token_ids
-from hf_paged.outputs import DeltaTracker, RequestOutput, delta_output
+from hf_paged.detokenizer import DeltaTracker, delta_output
+from hf_paged.outputs import RequestOutput
 from hf_paged.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -19,8 +20,8 @@ if TYPE_CHECKING:
     from hf_paged.output_processor import RequestState
 
 
-class GeneratorOutputs:
-    """Streaming, queued-output and beam-search methods of ``PagedGenerator``."""
+class GeneratorClients:
+    """The methods that drive ``PagedGenerator`` as its clients: streams, queued outputs, beam search."""
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,

@@ -1,11 +1,11 @@
-"""Which models the native decode program (:mod:`hf_paged.hf.native_program`) can run, and which of their
+"""Which models the native decode program (:mod:`hf_paged.cpu.native_program`) can run, and which of their
 modules it skips (whose forward hooks the eager fused forward would run)."""
 
 from __future__ import annotations
 
 import torch
 
-from hf_paged.hf.fused_layers import FAMILIES
+from hf_paged.cpu.fused_layers import FAMILIES
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C kernels' dtype codes
 
