@@ -89,7 +89,8 @@ class RowTables:
             assert all(self.block_ids(r) == self.block_ids(cls[0]) for r in cls), f"class {cls} mixes block tables"
             for r in cls[1:]:  # the class writes once, through its leader, and shares the result again
                 self.kv.free(self.rows[r])
-            assert self.kv.allocate_slots(leader, start, num_new_tokens) is not None
+            allocated = self.kv.allocate_slots(leader, start, num_new_tokens)  # not inside the assert: -O strips it
+            assert allocated is not None
             for r in cls[1:]:
                 self.kv.fork(leader, self.rows[r])
         self.num_tokens = start + num_new_tokens

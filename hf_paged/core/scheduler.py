@@ -221,7 +221,8 @@ class Scheduler:
             request.status = SequenceStatus.RUNNING
             self._insert_running(request)
             if num_new > 0:
-                assert self.kv.allocate_slots(request.seq_id, request.num_computed_tokens, num_new) is not None
+                allocated = self.kv.allocate_slots(request.seq_id, request.num_computed_tokens, num_new)
+                assert allocated is not None  # the call stays outside the assert: python -O strips asserts
                 self._schedule(out, request, num_new)
                 budget -= num_new
         return budget
