@@ -11,7 +11,8 @@ Measured on the default model (fp32, AVX2 host, steps alternating fused/unfused 
 7% faster at 64 sequences, 12% at one. Where the engine packs its linears, q/k/v run as one packed GEMM and
 gate/up as another (``PackedLinears.group``): another ~5% per decode step at 64 sequences, ~7% at one (Zen 4).
 
-Only layers whose classes and structure are known exactly are patched (class names below, the four
+Only layers whose classes and structure are known exactly are patched (transformers' own classes of the
+families below, by identity: a subclass or a remote-code copy of the same name may change the math; the four
 children, plain ``nn.Linear`` projections, SiLU activation, full-width "rotate half" rotary); every other
 call (outside the engine, GPU, autograd, a static-shape step, a rotary table of another width) runs the
 original forward. An engine turns it on per step with ``AttentionMetadata.fused``.
@@ -19,6 +20,8 @@ original forward. An engine turns it on per step with ``AttentionMetadata.fused`
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 import weakref
 
@@ -30,18 +33,58 @@ from hf_paged.cpu import fused_ops
 logger = logging.getLogger(__name__)
 
 FAMILIES = ("Llama", "Mistral", "Qwen2")
+ROLES = ("DecoderLayer", "Attention", "MLP", "RMSNorm", "Model", "ForCausalLM")
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 
 
+@functools.cache
+def family_classes() -> dict[str, dict[str, type]]:
+    """transformers' own classes of each family by role, e.g. ``["Llama"]["MLP"] is modeling_llama.LlamaMLP``
+    (imported on first use: transformers imports the engine)."""
+    out = {}
+    for family in FAMILIES:
+        module = importlib.import_module(f"transformers.models.{family.lower()}.modeling_{family.lower()}")
+        out[family] = {role: getattr(module, family + role) for role in ROLES}
+    return out
+
+
+@functools.cache
+def silu_classes() -> tuple[type, ...]:
+    """The SiLU activations transformers' ``ACT2FN`` gives these families ("silu", "swish")."""
+    from transformers.activations import SiLUActivation
+
+    return (SiLUActivation, torch.nn.SiLU)
+
+
+def family_of(module: torch.nn.Module, role: str) -> str | None:
+    """The family whose transformers class for ``role`` is exactly ``type(module)``; None for any other class,
+    a subclass or a same-named copy (remote code) included: those may change the math."""
+    return next((f for f, classes in family_classes().items() if type(module) is classes[role]), None)
+
+
+def not_family(module: torch.nn.Module, role: str) -> str:
+    """The reason ``module`` is no family's ``role`` class (for :func:`family_of` returning None)."""
+    cls = type(module)
+    names = [f"{f}{role}" for f in FAMILIES]
+    if cls.__name__ in names:
+        return f"{cls.__module__}.{cls.__qualname__} is not transformers' {cls.__name__} (a subclass or a copy)"
+    return f"{cls.__name__} is not one of " + ", ".join(names)
+
+
+def _class_name(cls: type) -> str:
+    own = cls.__module__.startswith(("transformers.", "torch."))
+    return cls.__name__ if own else f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _why_not(layer: torch.nn.Module) -> str:
     """Why ``layer`` cannot take the fused forward ("" if it can)."""
-    name = type(layer).__name__
-    family = next((f for f in FAMILIES if name == f"{f}DecoderLayer"), None)
+    family = family_of(layer, "DecoderLayer")
     if family is None:
-        return f"{name} is not one of " + ", ".join(f"{f}DecoderLayer" for f in FAMILIES)
+        return not_family(layer, "DecoderLayer")
+    classes = family_classes()[family]
     if "forward" in layer.__dict__:
         return "its forward is already replaced"
     children = dict(layer.named_children())
@@ -49,19 +92,18 @@ def _why_not(layer: torch.nn.Module) -> str:
         return f"children {sorted(children)}, expected {sorted(_LAYER_CHILDREN)}"
     attn, mlp = children["self_attn"], children["mlp"]
     expected = {
-        "self_attn": f"{family}Attention", "mlp": f"{family}MLP",
-        "input_layernorm": f"{family}RMSNorm", "post_attention_layernorm": f"{family}RMSNorm",
+        "self_attn": "Attention", "mlp": "MLP", "input_layernorm": "RMSNorm", "post_attention_layernorm": "RMSNorm",
     }
-    for child, cls in expected.items():
-        if type(children[child]).__name__ != cls:
-            return f"{child} is {type(children[child]).__name__}, expected {cls}"
+    for child, role in expected.items():
+        if type(children[child]) is not classes[role]:
+            return f"{child} is {_class_name(type(children[child]))}, expected transformers' {family}{role}"
     if set(dict(attn.named_children())) != _ATTN_CHILDREN or set(dict(mlp.named_children())) != _MLP_CHILDREN:
         return "unexpected attention or MLP submodules"
     linears = [getattr(attn, n) for n in _ATTN_CHILDREN] + [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     if any(type(m) is not torch.nn.Linear for m in linears):
         return "a projection is not a plain nn.Linear"
-    if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
-        return f"MLP activation {type(mlp.act_fn).__name__}, expected SiLU"
+    if type(mlp.act_fn) not in silu_classes():
+        return f"MLP activation {_class_name(type(mlp.act_fn))}, expected SiLU"
     for attr in ("head_dim", "scaling", "layer_idx"):
         if getattr(attn, attr, None) is None:
             return f"attention has no {attr}"
@@ -77,8 +119,11 @@ class FusedLayers:
     def __init__(self, model: torch.nn.Module) -> None:
         self.layers: list[torch.nn.Module] = []
         skipped: dict[str, int] = {}
+        layer_classes = tuple(classes["DecoderLayer"] for classes in family_classes().values())
         for module in model.modules():
-            if not type(module).__name__.endswith("DecoderLayer"):
+            # candidates: the families' layers and their subclasses; other "...DecoderLayer"s (remote-code copies,
+            # other families) only for the log. _why_not decides by class identity.
+            if not isinstance(module, layer_classes) and not type(module).__name__.endswith("DecoderLayer"):
                 continue
             why = _why_not(module)
             if why:
@@ -110,7 +155,7 @@ def _group(model_ref, parent: torch.nn.Module, names: tuple[str, ...], x: torch.
 def window_getter(attn: torch.nn.Module):
     """The sliding window of ``attn`` as transformers reads it at each call: Mistral from its config, Qwen2 per
     layer, Llama none."""
-    if type(attn).__name__ == "MistralAttention":
+    if type(attn) is family_classes()["Mistral"]["Attention"]:
         return lambda: getattr(attn.config, "sliding_window", None)
     return lambda: getattr(attn, "sliding_window", None)
 

@@ -5,20 +5,22 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.cpu.fused_layers import FAMILIES
+from hf_paged.cpu.fused_layers import family_classes, family_of, not_family
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C kernels' dtype codes
 
 
 def why_not(model: torch.nn.Module, fused, packing) -> str:
-    """Why ``model`` cannot run as a :class:`DecodeProgram` ("" if it can)."""
-    name = type(model).__name__
-    family = next((f for f in FAMILIES if name == f"{f}ForCausalLM"), None)
+    """Why ``model`` cannot run as a :class:`DecodeProgram` ("" if it can). Classes are matched by identity with
+    transformers' own (a subclass or a same-named copy may change the math)."""
+    family = family_of(model, "ForCausalLM")
     if family is None:
-        return f"{name} is not one of " + ", ".join(f"{f}ForCausalLM" for f in FAMILIES)
+        return not_family(model, "ForCausalLM")
+    classes = family_classes()[family]
     base = getattr(model, "model", None)
-    if type(base).__name__ != f"{family}Model":
-        return f"model.model is {type(base).__name__}, expected {family}Model"
+    if type(base) is not classes["Model"]:
+        cls = type(base)
+        return f"model.model is {cls.__module__}.{cls.__qualname__}, expected transformers' {family}Model"
     if fused is None or packing is None:
         return "it needs the fused layers and packed linears"
     layers = list(getattr(base, "layers", ()))
@@ -26,8 +28,9 @@ def why_not(model: torch.nn.Module, fused, packing) -> str:
         return "not every decoder layer has the fused forward"
     if type(base.embed_tokens) is not torch.nn.Embedding or type(model.lm_head) is not torch.nn.Linear:
         return "the embedding or the LM head is not a plain nn.Embedding / nn.Linear"
-    if type(base.norm).__name__ != f"{family}RMSNorm" or getattr(base.norm, "variance_epsilon", None) is None:
-        return f"the final norm is {type(base.norm).__name__}, expected {family}RMSNorm"
+    if type(base.norm) is not classes["RMSNorm"] or getattr(base.norm, "variance_epsilon", None) is None:
+        norm = type(base.norm)
+        return f"the final norm is {norm.__module__}.{norm.__qualname__}, expected transformers' {family}RMSNorm"
     if getattr(base, "rotary_emb", None) is None:
         return "the model has no rotary_emb"
     dtype = base.embed_tokens.weight.dtype
