@@ -1,4 +1,5 @@
-# hf_paged: `make run` answers the 64 chat prompts with the default model; `make test` runs the test suite.
+# hf_paged: `make run` answers the 64 chat prompts with the default model; `make test` runs the test suite (the CI
+# command); `make test-fast` a subset for quick checks.
 # Both create .venv on a fresh machine and install what they need.
 
 PYTHON ?= python3
@@ -8,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # torch 2.13.0 has a CPU wheel on this project's machines; an unpinned torch could pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: run test bench install chromium clean
+.PHONY: run test test-fast bench install chromium clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +31,18 @@ chromium:
 
 test: $(STAMP) chromium
 	$(PY) -m pytest -q
+
+# Under 2 minutes on 2 cores: scheduling, block accounting, the engine with asserts stripped (python -O), and a
+# few stock-generate parity cases (preemption, chunked prefill, a sliding window, beam search on a PagedCache).
+FAST_TESTS := tests/test_scheduler.py tests/test_block_manager.py tests/test_block_accounting.py \
+	tests/test_optimized_mode.py \
+	'tests/test_generator.py::test_greedy_parity_with_stock_generate[16-engine_kw2-mistral]' \
+	'tests/test_generator.py::test_greedy_parity_with_stock_generate[4-engine_kw1-mistral]' \
+	'tests/test_paged_cache.py::test_greedy_matches_dynamic_cache[4]' \
+	'tests/test_paged_cache.py::test_beam_search_matches_dynamic_cache[2]'
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q $(FAST_TESTS)
 
 bench: $(STAMP)
 	$(VENV)/bin/hf-paged bench chat --dtype fp32
