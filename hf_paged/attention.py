@@ -12,12 +12,14 @@ import contextlib
 import contextvars
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
 
 import torch
 
-from hf_paged import kernels
+if TYPE_CHECKING:
+    from hf_paged.attention_backends import StepAttention
 
 ATTN_IMPLEMENTATION = "hf_paged"
 METADATA_KWARG = "paged_metadata"
@@ -36,7 +38,8 @@ class AttentionMetadata:
     """Everything a layer needs to store and attend for one step; built once per step, shared by layers.
 
     Shapes: ``slot_mapping [num_tokens]``, ``block_tables [num_seqs, max_blocks]`` (int32),
-    ``seq_lens [num_seqs]``, ``cu_seqlens_q [num_seqs + 1]``.
+    ``seq_lens [num_seqs]``, ``cu_seqlens_q [num_seqs + 1]``. ``impl`` is the backend's per-step work
+    (:mod:`hf_paged.attention_backends`): which kernels run is decided there, once, not by flags here.
     """
 
     slot_mapping: torch.Tensor
@@ -46,12 +49,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    backend: str = "torch"
-    has_padding: bool = False
-    torch_plan: kernels.TorchAttentionPlan | None = None
-    static: bool = False  # a padded static-shape step (decode_runner.py): one graph-safe op per layer
-    native_step: Callable | None = None  # every sequence native (cpu/attention.NativeStep): 2 C calls a layer
-    fused: bool = False  # decoder layers with a fused CPU forward (cpu/fused_layers.py) may take it
+    impl: StepAttention  # this step's store + attention, planned once by the engine's attention backend
 
 
 @dataclass
@@ -141,10 +139,6 @@ def attend(
     softcap: float | None = None,
 ) -> torch.Tensor:  # [T, H, Dv]
     """Store one layer's new keys and values in its pool and attend over each sequence's cache."""
-    if meta.native_step is not None:
-        out = meta.native_step(layer_idx, q, k, v, scale, sliding_window, softcap)
-        if out is not None:
-            return out
     k_cache, v_cache = meta.kv_caches[layer_idx]
     value_dim = v.shape[-1]
     if k.shape[-1] != value_dim:
@@ -152,25 +146,7 @@ def attend(
         # leave every score unchanged; zero columns in v only add output columns, cut off below.
         size = k_cache.shape[-1]
         q, k, v = (torch.nn.functional.pad(x, (0, size - x.shape[-1])) for x in (q, k, v))
-    if meta.static:
-        from hf_paged.kernels import graph_ops  # noqa: F401 - registers the op
-
-        out = torch.ops.hf_paged.static_paged_attention(
-            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-            meta.max_seqlen_q, meta.max_seqlen_k, scale, sliding_window, softcap,
-        )
-    else:
-        if meta.backend == "cpu":
-            kernels.store_kv_cpu(k, v, k_cache, v_cache, meta.slot_mapping, has_padding=meta.has_padding)
-        elif meta.backend == "torch":
-            kernels.store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping, has_padding=meta.has_padding)
-        else:
-            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
-        out = kernels.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, meta.max_seqlen_q,
-            meta.max_seqlen_k, scale=scale, sliding_window=sliding_window, softcap=softcap, backend=meta.backend,
-            plan=meta.torch_plan,
-        )
+    out = meta.impl(meta, layer_idx, q, k, v, k_cache, v_cache, scale, sliding_window, softcap)
     return out[..., :value_dim] if out.shape[-1] != value_dim else out
 
 

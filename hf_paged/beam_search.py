@@ -4,8 +4,9 @@ A :class:`BeamSearch` drives one batch of prompts in lockstep, exactly as transf
 does (same candidate count, stopping rules, length penalty and early-stopping heuristic, the same tensor
 operations in the same order, so the same ties break the same way). Each running beam is an engine
 sequence: its log-prob row comes back from the runner, and when all rows of a step are in, the search picks
-the next beams. A beam continued by several new beams is forked (the new ones share its blocks,
-copy-on-write on their next write); a beam continued by none is freed at once.
+the next beams and returns them as a :class:`~hf_paged.core.scheduler_output.BeamUpdate` that the scheduler
+applies: a beam continued by several new beams is forked (the new ones share its blocks, copy-on-write on
+their next write); a beam continued by none is freed at once. The search holds sequence ids, not sequences.
 
 Rows that finish early keep running until the whole batch stops, because stock beam search does the same
 and its global stop condition depends on them.
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_paged.sequence import Sequence, SequenceStatus
+from hf_paged.core.scheduler_output import BeamUpdate
+from hf_paged.sequence import Sequence
 from hf_paged.sampling_params import BeamSearchParams, SamplingParams
 
 NEG = -1.0e9  # stock beam search's "impossible" score
@@ -56,6 +58,7 @@ class BeamSearch:
         eos_token_ids: Tokens that finish a beam (with ``params.stop_token_ids``), unless ``ignore_eos``.
         fill_token_id: Written after a finished beam's last token (stock: the pad token, else EOS).
         request_id: Base of the internal request ids.
+        new_seq_id: Gives the id of a forked beam (the scheduler's sequence ids).
         keep_scores: Keep each step's processed log-probs (HF ``output_scores``).
     """
 
@@ -66,6 +69,7 @@ class BeamSearch:
         eos_token_ids: frozenset[int],
         fill_token_id: int,
         request_id: str,
+        new_seq_id,
         keep_scores: bool = False,
         device: torch.device | str = "cpu",
     ) -> None:
@@ -100,27 +104,36 @@ class BeamSearch:
             request = Sequence(f"{request_id}-beam{b}", prompt, seq_params)
             request.is_beam = True
             self.prompt_requests.append(request)
-        self.running: list[list[Sequence]] = [[r] * K for r in self.prompt_requests]
+        self._new_seq_id = new_seq_id
+        self._running: list[list[int]] | None = None  # seq ids of beam k of row b (prompts' ids until the first step)
         self._rows: dict[int, torch.Tensor] = {}
+
+    @property
+    def running(self) -> list[list[int]]:
+        """The running beams' sequence ids, ``[B][K]`` (a prompt's sequence until its first token)."""
+        if self._running is None:
+            return [[r.seq_id] * self.K for r in self.prompt_requests]
+        return self._running
 
     # -- the engine's side ------------------------------------------------------------------------
     def waiting_for(self) -> set[int]:
-        return {r.seq_id for row in self.running for r in row}
+        return {seq_id for row in self.running for seq_id in row}
 
-    def add_rows(self, rows: dict[int, torch.Tensor], scheduler) -> bool:
-        """Take this step's log-prob rows; once every running beam has one, advance. True when done."""
+    def add_rows(self, rows: dict[int, torch.Tensor]) -> BeamUpdate | None:
+        """Take this step's log-prob rows; once every running beam has one, advance and return what the
+        scheduler must do (``done`` tells whether the search finished)."""
         wanted = self.waiting_for()
         for seq_id, row in rows.items():
             if seq_id in wanted and seq_id not in self._rows:  # a recomputed beam repeats its row: keep the first
                 self._rows[seq_id] = row
         if not self.done and len(self._rows) == len(wanted):
-            self._advance(scheduler)
-        return self.done
+            return self._advance()
+        return None
 
-    def abort(self, scheduler) -> None:
-        for seq_id in self.waiting_for():
-            scheduler.abort_request(seq_id)
+    def abort(self) -> list[int]:
+        """End the search; the sequence ids the engine must abort."""
         self.done = True
+        return sorted(self.waiting_for())
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -129,7 +142,7 @@ class BeamSearch:
     # -- one step of stock beam search ------------------------------------------------------------
     def _processed_log_probs(self) -> torch.Tensor:
         B, K = self.B, self.K
-        log_probs = torch.stack([self._rows[r.seq_id] for row in self.running for r in row]).cpu()
+        log_probs = torch.stack([self._rows[seq_id] for row in self.running for seq_id in row]).cpu()
         self._rows.clear()
         p = self.params
         if p.repetition_penalty != 1.0:  # HF's RepetitionPenaltyLogitsProcessor, on log-probs as in stock
@@ -143,7 +156,7 @@ class BeamSearch:
             log_probs[:, self.stop_ids] = float("-inf")
         return log_probs
 
-    def _advance(self, scheduler) -> None:
+    def _advance(self) -> BeamUpdate:
         B, K, t = self.B, self.K, self.t
         log_probs = self._processed_log_probs()  # [B * K, V]
         if self.scores is not None:
@@ -200,36 +213,33 @@ class BeamSearch:
         open_beams = not (bool(torch.all(self.is_sent_finished)) and p.early_stopping is True)
         go_on = bool(torch.any(self.unsatisfied)) and open_beams and not bool(torch.all(hits))
         if go_on:
-            self._move_beams(scheduler, t - 1)
-        else:
-            self.abort(scheduler)
+            return self._move_beams(t - 1)
+        return BeamUpdate(frees=self.abort())
 
-    def _move_beams(self, scheduler, t: int) -> None:
+    def _move_beams(self, t: int) -> BeamUpdate:
         """New beam k of row b continues old beam ``parent``: in place for its first continuation, forked
-        (sharing its blocks) for the others; old beams nobody continues are freed now."""
+        (sharing its blocks) for the others; old beams nobody continues are freed."""
         parents = (self.running_beam_indices[:, :, t] - self.batch_offset).tolist()
         tokens = self.running_sequences[:, :, t].tolist()
+        update = BeamUpdate()
         new_running = []
         for b in range(self.B):
             used: set[int] = set()
             row = []
             for k in range(self.K):
                 parent = self.running[b][parents[b][k]]
-                if parent.seq_id in used:
-                    row.append(scheduler.fork_sequence(parent, k))
+                if parent in used:
+                    child = self._new_seq_id()
+                    update.continues.append((parent, tokens[b][k], child, k))
+                    row.append(child)
                 else:
-                    used.add(parent.seq_id)
+                    used.add(parent)
+                    update.continues.append((parent, tokens[b][k], None, k))
                     row.append(parent)
-            for old in {r.seq_id: r for r in self.running[b]}.values():
-                if old.seq_id not in used:
-                    scheduler.abort_request(old.seq_id)
+            update.frees.extend(old for old in dict.fromkeys(self.running[b]) if old not in used)
             new_running.append(row)
-        for b in range(self.B):
-            for k in range(self.K):
-                request = new_running[b][k]
-                scheduler.append_tokens(request, [tokens[b][k]])
-                assert request.status is not SequenceStatus.FINISHED_LENGTH, "beam finished by the scheduler"
-        self.running = new_running
+        self._running = new_running
+        return update
 
     # -- results ----------------------------------------------------------------------------------
     def outputs(self, num_return_sequences: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -3,15 +3,41 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from collections.abc import Sequence
 from typing import Any
 
 from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
-from hf_paged.decode_runner import MODES as DECODE_MODES
-from hf_paged.decode_runner import check_buckets, default_buckets
 from hf_paged.kernels import BACKENDS
 from hf_paged.cpu.packed_linear import KIND_NAMES as PACKING_KIND_NAMES
 from hf_paged.cpu.packed_linear import KINDS as PACKING_KINDS
 from hf_paged.spec_decode.config import SpeculativeConfig
+
+
+DECODE_MODES = ("auto", "native", "static", "cuda_graphs", "inductor")
+
+
+def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every multiple of 16, up to and including ``max_num_seqs`` (vLLM's capture sizes)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return tuple(sorted(set(sizes + [max_num_seqs])))
+
+
+def check_buckets(buckets: object, max_num_seqs: int) -> tuple[int, ...]:
+    """``decode_buckets`` as a tuple: positive, strictly increasing ints, none above ``max_num_seqs``."""
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence):
+        raise TypeError(f"decode_buckets must be a list of ints, got {buckets!r}")
+    if not buckets:
+        raise ValueError("decode_buckets must not be empty (use enforce_eager=True to turn buckets off)")
+    for b in buckets:
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise TypeError(f"decode_buckets must hold ints, got {b!r} in {list(buckets)!r}")
+        if b < 1:
+            raise ValueError(f"decode_buckets must be >= 1, got {b} in {list(buckets)!r}")
+    if any(a >= b for a, b in zip(buckets, buckets[1:])):
+        raise ValueError(f"decode_buckets must be strictly increasing, got {list(buckets)!r}")
+    if buckets[-1] > max_num_seqs:
+        raise ValueError(f"decode bucket {buckets[-1]} is above max_num_seqs={max_num_seqs}")
+    return tuple(buckets)
 
 
 @dataclass

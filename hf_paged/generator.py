@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import weakref
 from collections import abc
 
 import torch
@@ -17,20 +16,15 @@ from hf_paged.config import EngineConfig
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
 from hf_paged.core.scheduler_output import SchedulerOutput
-from hf_paged.engine_setup import (
-    as_prompt_list, build_pool, eos_token_ids, make_decode_runner, make_program, make_proposer, maybe_fuse, maybe_prepack,
-    per_prompt, release_model, token_ids,
-)
-from hf_paged.spec_decode.config import SpeculativeConfig
-from hf_paged.spec_decode.speculator import Speculator, spec_key
-from hf_paged.kernels import resolve_backend
-from hf_paged.output_processor import OutputProcessor, RequestState
+from hf_paged.engine_setup import as_prompt_list, eos_token_ids, per_prompt, token_ids
+from hf_paged.executor import Executor, UniProcExecutor
 from hf_paged.generator_clients import GeneratorClients
+from hf_paged.output_processor import OutputProcessor, RequestState
 from hf_paged.outputs import EngineStats, RequestOutput
-from hf_paged.sequence import Sequence, SequenceStatus
-from hf_paged.runner import ModelRunner
-from hf_paged.sampling import Sampler
 from hf_paged.sampling_params import SamplingParams
+from hf_paged.sequence import Sequence, SequenceStatus
+from hf_paged.spec_decode.config import SpeculativeConfig
+from hf_paged.spec_decode.speculator import spec_key
 
 logger = logging.getLogger(__name__)
 
@@ -59,33 +53,18 @@ class PagedGenerator(GeneratorClients):
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self._closed = True  # until fully built: close() then undoes nothing twice
-        self.packed = self.fused = None
-        model_patches.acquire_attention(model)
-        try:
-            self.pool, self.max_model_len = build_pool(model, cfg, self.device)
-            self.backend = resolve_backend(cfg.attention_backend, self.device, self.pool.specs[0].dtype)
-            self.packed = maybe_prepack(model, cfg, self.device)
-            self.fused = maybe_fuse(model, cfg, self.device, self.pool.specs[0].dtype)
-            decode = make_decode_runner(model, cfg, self.pool, self.backend, self.max_model_len)
-            program = make_program(model, cfg, self.pool, self.backend, self.packed, self.fused)
-        except BaseException:
-            release_model(model, self.packed is not None, self.fused is not None)
-            raise
-        self.kv_manager = KVCacheManager(
-            self.pool.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.pool.num_host_blocks
-        )
-        self.sampler = Sampler(self.device, cfg.seed)
-        self.runner = ModelRunner(model, self.pool, self.backend, self.sampler, self.max_model_len,
-                                  decode=decode)
-        self.runner.fused_layers = self.fused is not None
-        self.runner.program = program
-        self.runner.speculator = Speculator()
+        # the execution layer, chosen once: this process (a tensor-parallel executor will plug in here)
+        self.executor: Executor = UniProcExecutor(model, cfg)
+        self.max_model_len = self.executor.max_model_len
         try:
             if cfg.speculative_config is not None:
                 self._spec_settings(cfg.speculative_config)  # build the default proposer now: errors at start
         except BaseException:
-            release_model(model, self.packed is not None, self.fused is not None)
+            self.executor.close()
             raise
+        self.kv_manager = KVCacheManager(
+            self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.executor.num_host_blocks
+        )
         self.scheduler = Scheduler(
             self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
             cfg.enable_chunked_prefill, cfg.scheduling_policy, cfg.preemption_mode,
@@ -100,9 +79,28 @@ class PagedGenerator(GeneratorClients):
         self.num_steps = 0
         self._finished_states = self.outputs.finished_queues  # finished requests whose queue is not read yet
         self._weights_seen: int | None = None
-        # An engine dropped without close() gives the model back when it is garbage-collected.
-        self._release = weakref.finalize(self, release_model, model, self.packed is not None, self.fused is not None)
         self._closed = False
+
+    # -- what the execution layer chose (read-only views) ---------------------------------------------
+    @property
+    def pool(self):
+        """The KV pool (:class:`~hf_paged.kv_pool.KVPool`)."""
+        return self.executor.pool
+
+    @property
+    def backend(self) -> str:
+        """The attention backend in use: "cpu", "torch" or "triton"."""
+        return self.executor.backend
+
+    @property
+    def packed(self):
+        """The model's packed linears (:class:`~hf_paged.cpu.packed_model.PackedLinears`), or None."""
+        return self.executor.packed
+
+    @property
+    def fused(self):
+        """The model's fused decoder layers (:class:`~hf_paged.cpu.fused_layers.FusedLayers`), or None."""
+        return self.executor.fused
 
     # -- intake -------------------------------------------------------------------------------------
     def add_request(
@@ -176,8 +174,8 @@ class PagedGenerator(GeneratorClients):
     def _spec_settings(self, spec: SpeculativeConfig) -> tuple[str, int, int, int | None]:
         """(proposer key, k, lookahead slots, batch limit) for a configuration; its proposer is made once."""
         key = spec_key(spec)
-        if key not in self.runner.speculator.proposers:
-            self.runner.speculator.add(key, make_proposer(spec, self.runner, self.max_model_len))
+        if not self.executor.has_proposer(key):
+            self.executor.add_proposer(key, spec)
         lookahead = spec.num_speculative_tokens if spec.method == "draft_model" else 0
         return key, spec.num_speculative_tokens, lookahead, spec.disable_by_batch_size
 
@@ -208,10 +206,9 @@ class PagedGenerator(GeneratorClients):
                 state = self.outputs.state_of(rid)
                 for seq in state.seqs.values() if state is not None else ():
                     if not seq.is_finished:
-                        seq.error = message
-                        self.scheduler.finish_request(seq.seq_id, SequenceStatus.FINISHED_ERROR)
+                        self.scheduler.finish_request(seq.seq_id, SequenceStatus.FINISHED_ERROR, message)
                         failed.append(seq)
-            return self.outputs.process(failed, self.scheduler)
+            return self.outputs.process(failed)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -242,21 +239,28 @@ class PagedGenerator(GeneratorClients):
         self._drop_stale_prefix_cache()
         out = self.scheduler.schedule()
         if out.is_empty:
-            self.runner.update_states(out)
+            self.executor.execute_model(out)  # drops the finished sequences' state
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")
             return []
         try:
-            result = self.runner.execute(out)
+            result = self.executor.execute_model(out)
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep the engine usable
             logger.exception("engine step failed; failing the %d sequences it ran", len(out.scheduled))
             return self._fail_step(out, e)
-        changed = self.scheduler.update(out, result)
+        # one way: the beam searches and stop strings decide from the step's results; the scheduler applies it
+        beams = []
         for search in list(self._beam_searches):
-            if search.add_rows(result.beam_rows, self.scheduler):
+            update = search.add_rows(result.beam_rows)
+            if update is not None:
+                beams.append(update)
+            if search.done:
                 self._beam_searches.remove(search)
+        changed = self.scheduler.update(out, result, beams)
+        for seq_id, status, error in self.outputs.check_stops(changed):
+            self.scheduler.finish_request(seq_id, status, error)
         self.num_steps += 1
-        return self.outputs.process(changed, self.scheduler, result.scores)
+        return self.outputs.process(changed, result.scores)
 
     def _weights_version(self) -> int:
         # Inference tensors keep no version counter: only their replacement (a new object or storage) is seen.
@@ -271,15 +275,14 @@ class PagedGenerator(GeneratorClients):
         Only a step that can admit a waiting request looks the prefix cache up, so without decode graphs the
         check (a walk over every parameter, ~0.5 ms on the default model) runs only when requests wait.
         """
-        if self.runner.decode is None and (not self.kv_manager.enable_prefix_caching or not self.scheduler.waiting):
+        if not self.executor.watches_weights and (not self.kv_manager.enable_prefix_caching or not self.scheduler.waiting):
             return
         version = self._weights_version()
         if version != self._weights_seen:
             if self._weights_seen is not None:
                 logger.info("model weights changed: dropping the prefix cache and decode graphs")
                 self.kv_manager.reset_prefix_cache()
-                if self.runner.decode is not None:
-                    self.runner.decode.weights_changed()
+                self.executor.weights_changed()
             self._weights_seen = version
 
     def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -289,15 +292,13 @@ class PagedGenerator(GeneratorClients):
             request = self.scheduler.requests.get(seq_id)
             if request is None or (seq_id in out.preempted_seq_ids and request.status is not SequenceStatus.SWAPPED):
                 continue  # recompute victims lost nothing
-            request.error = message
-            self.scheduler.finish_request(seq_id, SequenceStatus.FINISHED_ERROR)
+            self.scheduler.finish_request(seq_id, SequenceStatus.FINISHED_ERROR, message)
             failed.append(request)
         for search in list(self._beam_searches):
-            if any(r.seq_id not in self.scheduler.requests for row in search.running for r in row):
+            if any(seq_id not in self.scheduler.requests for row in search.running for seq_id in row):
                 search.error = message
-                search.abort(self.scheduler)
-                self._beam_searches.remove(search)
-        return self.outputs.process(failed, self.scheduler)
+                self._abort_beam_search(search)
+        return self.outputs.process(failed)
 
     # -- high level ---------------------------------------------------------------------------------
     def generate(
@@ -382,16 +383,10 @@ class PagedGenerator(GeneratorClients):
                 return
             for rid in list(self.outputs.requests):
                 self.abort(rid)
-            for search in self._beam_searches:
-                search.abort(self.scheduler)
-            self._beam_searches.clear()
+            for search in list(self._beam_searches):
+                self._abort_beam_search(search)
             self._closed = True
-            self.runner.speculator.close()
-            self._release()  # once: the finalizer is dead afterwards
-            self.packed = self.fused = None
-            self.runner.program = None  # its buffers and packs go with it (it holds no KV pool of its own)
-            self.pool.kv_caches.clear()
-            self.pool.host_caches.clear()
+            self.executor.close()
 
     def __enter__(self) -> PagedGenerator:
         return self

@@ -116,7 +116,8 @@ class GeneratorClients:
                         f"beam search of {params.max_tokens} tokens after a {len(prompt)}-token prompt exceeds "
                         f"max_model_len={self.max_model_len}"
                     )
-            search = BeamSearch(prompts, params, eos, fill_token_id, f"beam{next(self._ids)}", keep_scores)
+            search = BeamSearch(prompts, params, eos, fill_token_id, f"beam{next(self._ids)}", self.scheduler.next_seq_id,
+                                keep_scores)
             for request in search.prompt_requests:
                 self.scheduler.check_request(request)
             for request in search.prompt_requests:
@@ -126,9 +127,13 @@ class GeneratorClients:
 
     def abort_beam_search(self, search: BeamSearch) -> None:
         with self._lock:
-            search.abort(self.scheduler)
-            if search in self._beam_searches:
-                self._beam_searches.remove(search)
+            self._abort_beam_search(search)
+
+    def _abort_beam_search(self, search: BeamSearch) -> None:
+        for seq_id in search.abort():
+            self.scheduler.abort_request(seq_id)
+        if search in self._beam_searches:
+            self._beam_searches.remove(search)
 
     def run_until(self, done) -> None:
         """Step the engine until ``done()`` holds."""

@@ -10,7 +10,7 @@ the launcher computes a tuned environment and re-executes itself once with it:
 - allocator: tcmalloc (or jemalloc) preloaded when the machine has one; it is never required.
 
 Whatever the user has set wins: a variable that is already set is left alone, and ``HF_PAGED_TUNE=0`` turns the
-whole thing off. The measured effect of each setting is in docs/performance.md. This module imports nothing
+whole thing off. The measured effect of each setting is in docs/cpu.md and docs/performance_log.md. This module imports nothing
 heavy (no torch), so the decision costs nothing before the re-exec.
 """
 

@@ -2,6 +2,8 @@
 
 A user request owns ``n`` sequences (its samples). The processor keeps them together, matches stop
 strings, and builds outputs without copying token lists (see :class:`~hf_paged.outputs.CompletionOutput`).
+It reads sequences and never changes them or the scheduler: a stop string that matched comes back from
+:meth:`OutputProcessor.check_stops` as a finish for the engine to apply, as an abort would be.
 Every output of a request is also appended to the request's own queue when one is attached, so a caller
 (``stream``, ``generate``, a server) reads its outputs whoever ran the step that produced them.
 """
@@ -29,6 +31,8 @@ class RequestState:
     tokenizer: object = None
     seqs: dict[int, Sequence] = field(default_factory=dict)  # index -> sequence (samples appear when forked)
     stop_checkers: dict[int, StopStringChecker] = field(default_factory=dict)
+    stop_strs: dict[int, str] = field(default_factory=dict)  # index -> the stop string that ended that sample
+    errors: dict[int, str] = field(default_factory=dict)  # index -> why its stop-string check failed
     queue: deque | None = None  # outputs for a caller that reads this request's outputs
     scores: dict[int, list] | None = None  # index -> processed logits rows (HF output_scores)
 
@@ -63,9 +67,10 @@ class OutputProcessor:
     def state_of(self, request_id: str) -> RequestState | None:
         return self.requests.get(request_id)
 
-    def process(self, changed: list[Sequence], scheduler, scores: dict | None = None) -> list[RequestOutput]:
-        """Register forked samples, match stop strings, and build the outputs of the requests that changed."""
-        touched: dict[str, RequestState] = {}
+    def check_stops(self, changed: list[Sequence]) -> list[tuple[int, SequenceStatus, str | None]]:
+        """Register forked samples and match stop strings on the sequences that changed; returns the finishes
+        the engine must apply: ``(seq_id, status, error message)`` for a stop string (or a failing check)."""
+        finishes = []
         for seq in changed:
             state = self.requests.get(seq.request_id)
             if state is None:
@@ -77,31 +82,37 @@ class OutputProcessor:
                     state.stop_checkers[seq.index] = StopStringChecker(
                         state.tokenizer or self.tokenizer, first.stops, seq.prompt_token_ids
                     )
+            checker = state.stop_checkers.get(seq.index)
+            if checker is None:
+                continue
+            try:
+                stop = checker.update(seq.output_token_ids)
+            except Exception as e:  # noqa: BLE001 - a failing check (e.g. the tokenizer) fails this request only
+                state.errors[seq.index] = f"stop string check failed: {type(e).__name__}: {e}"
+                del state.stop_checkers[seq.index]
+                if not seq.is_finished:
+                    finishes.append((seq.seq_id, SequenceStatus.FINISHED_ERROR, state.errors[seq.index]))
+                continue
+            if stop is not None:
+                state.stop_strs[seq.index] = stop  # wins over max_tokens reached by the same token
+                if not seq.is_finished:
+                    finishes.append((seq.seq_id, SequenceStatus.FINISHED_STOPPED, None))
+            if stop is not None or seq.is_finished:
+                del state.stop_checkers[seq.index]
+        return finishes
+
+    def process(self, changed: list[Sequence], scores: dict | None = None) -> list[RequestOutput]:
+        """Build (and queue) the outputs of the requests whose sequences changed."""
+        touched: dict[str, RequestState] = {}
+        for seq in changed:
+            state = self.requests.get(seq.request_id)
+            if state is None:
+                continue
+            state.seqs.setdefault(seq.index, seq)
             if scores and state.scores is not None and seq.seq_id in scores:
                 state.scores.setdefault(seq.index, []).extend(scores[seq.seq_id])
-            try:
-                self._check_stop_string(state, seq, scheduler)
-            except Exception as e:  # noqa: BLE001 - a failing check (e.g. the tokenizer) fails this request only
-                seq.error = f"stop string check failed: {type(e).__name__}: {e}"
-                state.stop_checkers.pop(seq.index, None)
-                if not seq.is_finished:
-                    scheduler.finish_request(seq.seq_id, SequenceStatus.FINISHED_ERROR)
             touched[state.request_id] = state
         return [self.emit(state) for state in touched.values()]
-
-    def _check_stop_string(self, state: RequestState, seq: Sequence, scheduler) -> None:
-        checker = state.stop_checkers.get(seq.index)
-        if checker is None:
-            return
-        stop = checker.update(seq.output_token_ids)
-        if stop is not None:
-            seq.stop_str = stop
-            if seq.is_finished:  # the same token also hit max_tokens: the stop string wins
-                seq.status = SequenceStatus.FINISHED_STOPPED
-            else:
-                scheduler.finish_request(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
-        if seq.is_finished:
-            del state.stop_checkers[seq.index]
 
     def emit(self, state: RequestState) -> RequestOutput:
         """Build the request's output, queue it for its reader, and forget the request once finished."""
@@ -127,15 +138,16 @@ class OutputProcessor:
                 completions.append(CompletionOutput(index, [], 0, reason, _tokenizer=state.tokenizer or self.tokenizer))
                 continue
             want_logprobs = seq.sampling_params.logprobs is not None
+            stop_str = state.stop_strs.get(index)
             completions.append(CompletionOutput(
                 index=index,
                 _source=seq.output_token_ids,
                 _length=len(seq.output_token_ids),
-                finish_reason=seq.status.finish_reason,
+                finish_reason="stop" if stop_str is not None and seq.is_finished else seq.status.finish_reason,
                 cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
                 _logprobs_source=seq.logprobs,
-                error=seq.error,
-                stop_str=seq.stop_str,
+                error=state.errors.get(index, seq.error),
+                stop_str=stop_str,
                 _tokenizer=state.tokenizer or self.tokenizer,
             ))
         finish_times = [s.finish_time for s in state.seqs.values() if s.finish_time is not None]

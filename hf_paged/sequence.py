@@ -1,4 +1,4 @@
-"""A request's sequence and its life cycle (pure Python: no torch, no transformers)."""
+"""A sequence being generated and its life cycle (pure Python: no torch, no transformers)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ class Sequence:
         self.error: str | None = None  # why a request finished with status FINISHED_ERROR
         # When a list, the sampler appends each step's processed logits row (for HF's output_scores).
         self.scores: list | None = None
-        self.stop_str: str | None = None  # the stop string that ended the request, if any
+        self.block_hashes: list = []  # prefix-cache hashes of its full blocks, computed once (kv_cache_manager)
 
     # -- sizes --------------------------------------------------------------------------------------
     @property
@@ -146,6 +146,7 @@ class Sequence:
         child.output_token_ids = list(self.output_token_ids)
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         child.spec_token_ids = []
+        child.block_hashes = list(self.block_hashes)
         child.parked = False
         child.scores = None if self.scores is None else list(self.scores)
         return child

@@ -216,7 +216,7 @@ def make_arch_model(arch: str, seed: int = 0, attn_implementation: str | None = 
         model.set_attn_implementation(attn_implementation)
     return model
 
-# What each supported config exercises beyond plain causal RoPE attention (README table).
+# What each supported config exercises beyond plain causal RoPE attention (docs/getting_started.md, supported models).
 FEATURES: dict[str, str] = {
     "llama": "GQA",
     "mistral": "sliding window",

@@ -1,4 +1,4 @@
-"""Print the README's "Supported architectures" table from a run of tests/test_architectures.py.
+"""Print the "Supported models" table of docs/getting_started.md from a run of tests/test_architectures.py.
 
     .venv/bin/python -m tests.arch_table          # runs the matrix (~20 s), prints markdown
 

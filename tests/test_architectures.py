@@ -5,7 +5,7 @@ a small block size and a token budget that chunks the prompts; the tokens must e
 ``model.generate(do_sample=False)`` on each prompt alone, fp32. Guard tests show the features under test
 (sliding windows, softcap, scaling) really change the output, and architectures the engine cannot serve
 exactly must raise a clear NotImplementedError naming the class. ``python -m tests.arch_table`` turns the
-results into the README table.
+results into the supported-models table of docs/getting_started.md.
 """
 
 import pytest

@@ -291,7 +291,7 @@ def test_an_exception_in_the_forward_fails_only_that_steps_requests(engine, monk
     b = engine.add_request(prompts[1], greedy)
     engine.step()
     engine.step()  # a and b hold two tokens each
-    original = engine.runner.compute_logits
+    original = engine.executor.runner.compute_logits
     calls = {"n": 0}
 
     def flaky(inputs):
@@ -300,7 +300,7 @@ def test_an_exception_in_the_forward_fails_only_that_steps_requests(engine, monk
             raise RuntimeError("simulated device failure")
         return original(inputs)
 
-    monkeypatch.setattr(engine.runner, "compute_logits", flaky)
+    monkeypatch.setattr(engine.executor.runner, "compute_logits", flaky)
     failed = {o.request_id: o for o in engine.step()}
     assert set(failed) == {a, b}
     for out in failed.values():
@@ -334,7 +334,7 @@ def test_an_exception_while_sampling_one_request_fails_only_that_request(engine,
 
 def test_non_finite_logits_fail_their_request_with_a_clear_message(engine, monkeypatch):
     prompts = make_prompts(2, [5, 9], seed=43)
-    original = engine.runner.compute_logits
+    original = engine.executor.runner.compute_logits
     target = {}
 
     def poisoned(inputs):
@@ -344,7 +344,7 @@ def test_non_finite_logits_fail_their_request_with_a_clear_message(engine, monke
                 logits[row, 7] = float("nan")
         return logits
 
-    monkeypatch.setattr(engine.runner, "compute_logits", poisoned)
+    monkeypatch.setattr(engine.executor.runner, "compute_logits", poisoned)
     a = engine.add_request(prompts[0], P(max_tokens=4, temperature=0.7, ignore_eos=True))
     b = engine.add_request(prompts[1], P(max_tokens=4, temperature=0.0, ignore_eos=True))
     target["seq"] = engine.outputs.state_of(a).first.seq_id

@@ -40,5 +40,5 @@ def test_prefix_workload_requests_and_fork_block_count():
     assert len(prompts) == 64 and all(len(p) == 544 for p in prompts)
     assert all(p[:512] == prompts[0][:512] for p in prompts) and len({tuple(p[512:]) for p in prompts}) == 64
     blocks = fork_blocks(make_model("llama"), make_prompts(1, [512], seed=3)[0], n=8, new_tokens=32)
-    # 32 shared prompt blocks + 8 x 2 private vs 8 x 34 (see README)
+    # 32 shared prompt blocks + 8 x 2 private vs 8 x 34 (see docs/benchmarks.md)
     assert blocks["n=8"] <= blocks["8 separate"] / 4, blocks

@@ -35,8 +35,15 @@ class FakeRunner:
         self.dev = [[None] * block_size for _ in range(num_blocks)]
         self.host = [[None] * block_size for _ in range(num_host_blocks)]
         self.rng = random.Random(seed)
+        self.tables: dict[int, list[int]] = {}  # kept from the scheduler's diffs, as the model runner keeps them
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for seq_id in out.finished_seq_ids:
+            self.tables.pop(seq_id, None)
+        for s in out.scheduled:
+            table = self.tables.setdefault(s.seq_id, [])
+            del table[s.block_ids_from :]
+            table.extend(s.new_block_ids)
         for d, h in out.swap_out:
             self.host[h] = list(self.dev[d])
         for h, d in out.swap_in:
@@ -45,9 +52,10 @@ class FakeRunner:
             self.dev[dst] = list(self.dev[src])
         result = ModelRunnerOutput()
         for s in out.scheduled:
+            block_ids = self.tables[s.seq_id]
             for k, token in enumerate(s.token_ids):
                 p = s.start + k
-                self.dev[s.block_ids[p // self.bs]][p % self.bs] = token
+                self.dev[block_ids[p // self.bs]][p % self.bs] = token
             if not s.sample:
                 continue
             if s.num_draft_tokens:  # verify: accept a random prefix of the drafts, then one token
@@ -62,8 +70,8 @@ class FakeRunner:
             if s.propose:
                 result.spec_token_ids[s.seq_id] = [self.token() for _ in range(self.rng.randint(0, 3))]
                 # a draft model writes its KV behind the sequence while proposing: never anyone else's slots
-                for p in range(s.seq_len, len(s.block_ids) * self.bs):
-                    self.dev[s.block_ids[p // self.bs]][p % self.bs] = -1
+                for p in range(s.seq_len, len(block_ids) * self.bs):
+                    self.dev[block_ids[p // self.bs]][p % self.bs] = -1
         return result
 
     def token(self) -> int:
@@ -125,6 +133,8 @@ class BlockAccounting(RuleBasedStateMachine):
             request = self.sched.requests[seq_id]
             OPS["preempt"]["swap" if request.status is SequenceStatus.SWAPPED else "recompute"] += 1
         result = self.runner.execute(out)
+        for item in out.scheduled:  # the tables rebuilt from diffs are the scheduler's, entry for entry
+            assert self.runner.tables[item.seq_id] == self.kv.get_block_ids(item.seq_id), f"table diff of {item.seq_id}"
         self.sched.update(out, result)
         OPS["prefix_hits"] += self.kv.prefix_hits > hits
 

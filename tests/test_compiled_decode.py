@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.decode_runner import check_buckets, default_buckets
+from hf_paged.executor.decode_buckets import check_buckets, default_buckets
 from tests.arch_configs import make_arch_model
 from tests.helpers import make_model, make_prompts, stock_greedy
 
@@ -39,7 +39,7 @@ def test_default_buckets_and_choice():
     assert check_buckets([1, 3, 8], 8) == (1, 3, 8)
     model = make_model("llama", seed=3)
     engine = PagedGenerator(model, **STATIC)
-    d = engine.runner.decode
+    d = engine.executor.runner.fast
     assert [d.bucket_for(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
     engine.close()
 
@@ -72,7 +72,7 @@ def test_auto_on_cpu_and_enforce_eager_use_the_dynamic_path():
     model = make_model("llama", seed=3)
     for config in ({}, {"enforce_eager": True, "decode_runner": "static"}):
         engine = PagedGenerator(model, num_blocks=64, **config)
-        assert engine.runner.decode is None
+        assert engine.executor.runner.fast is None
         engine.close()
 
 
@@ -87,7 +87,7 @@ def test_static_buckets_equal_eager_and_stock_generate(arch):
     eager.close()
     engine = PagedGenerator(model, **STATIC)
     got = run(engine, prompts, max_tokens, late=2)
-    d = engine.runner.decode
+    d = engine.executor.runner.fast
     assert got == want
     assert d.num_replays > 0 and {b for b, _ in d.graphs} == {1, 2, 4}  # every bucket served a step
     engine.close()
@@ -102,7 +102,7 @@ def test_static_buckets_on_the_default_model():
     prompts = [tok(t)["input_ids"] for t in ("The capital of France is", "Once upon a time", "def add(a, b):")]
     engine = PagedGenerator(model, tok, decode_runner="static", decode_buckets=[2, 4], max_num_seqs=4, num_blocks=64)
     outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    assert engine.runner.decode.num_replays > 0
+    assert engine.executor.runner.fast.num_replays > 0
     engine.close()
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == stock_greedy(model, prompt, 12, eos_token_id=-1)
@@ -130,9 +130,9 @@ def test_padding_never_writes_the_pool():
     before = _snapshot(engine)
     slots = {r.seq_id: tables[r.seq_id][r.num_computed_tokens // 4] * 4 + r.num_computed_tokens % 4
              for r in engine.scheduler.running}
-    replays = engine.runner.decode.num_replays
+    replays = engine.executor.runner.fast.num_replays
     outs = engine.step()  # 3 sequences padded to bucket 4
-    assert engine.runner.decode.num_replays == replays + 1
+    assert engine.executor.runner.fast.num_replays == replays + 1
     assert all(o.outputs[0].finish_reason is None for o in outs)
     real = torch.zeros(engine.pool.num_blocks * 4, dtype=torch.bool)
     real[list(slots.values())] = True
@@ -179,7 +179,7 @@ def test_speculative_verification_steps_use_buckets_of_1_plus_k():
     assert run(engine, prompts, [16, 16, 16]) == want
     assert [run(engine, [p], [24])[0] for p in prompts] == alone  # one sequence: every step is uniform
     assert engine.stats().spec_num_drafts > 0
-    assert {q for _, q in engine.runner.decode.graphs} >= {1, 3}
+    assert {q for _, q in engine.executor.runner.fast.graphs} >= {1, 3}
     engine.close()
 
 
@@ -201,7 +201,7 @@ def test_inductor_equals_eager_and_reuses_compiled_code(tmp_path, monkeypatch):
                                 num_blocks=256)
         assert engine.packed is None  # our packed linears would break the graph
         assert run(engine, prompts, [6, 6]) == want
-        d = engine.runner.decode
+        d = engine.executor.runner.fast
         assert d.disabled_reason is None and d.num_builds == 1 and d.num_replays >= 5
         compiled.append(_cache_counts(counters))
         engine.close()
@@ -225,11 +225,11 @@ def test_a_model_that_cannot_compile_falls_back_to_eager_with_one_warning(monkey
     eager.close()
     engine = PagedGenerator(model, decode_runner="inductor", decode_buckets=[2, 4], max_num_seqs=4, block_size=4,
                             num_blocks=256)
-    with caplog.at_level(logging.WARNING, logger="hf_paged.decode_runner"):
+    with caplog.at_level(logging.WARNING, logger="hf_paged.executor.decode_buckets"):
         assert run(engine, prompts, [7, 7, 7]) == want
-    warnings = [r for r in caplog.records if r.name == "hf_paged.decode_runner"]
+    warnings = [r for r in caplog.records if r.name == "hf_paged.executor.decode_buckets"]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0].getMessage()
-    assert "no C++ compiler" in engine.runner.decode.disabled_reason
+    assert "no C++ compiler" in engine.executor.runner.fast.disabled_reason
     engine.close()
 
 
@@ -242,9 +242,9 @@ def test_cuda_graphs_equal_eager_on_cuda():
         want = run(eager, prompts, [6, 9, 12, 15, 18, 21], late=2)
         eager.close()
         engine = PagedGenerator(model, decode_buckets=[1, 2, 4], max_num_seqs=6, block_size=4, num_blocks=256)
-        assert engine.runner.decode.mode == "cuda_graphs"
+        assert engine.executor.runner.fast.mode == "cuda_graphs"
         assert run(engine, prompts, [6, 9, 12, 15, 18, 21], late=2) == want
-        assert engine.runner.decode.num_replays > 0 and engine.runner.decode.disabled_reason is None
+        assert engine.executor.runner.fast.num_replays > 0 and engine.executor.runner.fast.disabled_reason is None
         engine.close()
     finally:
         model.cpu()

@@ -49,7 +49,7 @@ def test_greedy_parity_on_chat_prompts(default_model):
     # the linears for our GEMM): same tokens
     with PagedGenerator(model, tok, max_num_seqs=8, prepack_weights="native", decode_runner="native") as engine:
         program_outs = engine.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0), use_tqdm=False)
-        assert engine.runner.program.num_runs > 0
+        assert engine.executor.runner.fast.num_runs > 0
     assert [o.token_ids for o in program_outs] == want
     for o, w in zip(outs, want):
         assert o.text == tok.decode(w, skip_special_tokens=True)

@@ -144,7 +144,7 @@ def test_a_failing_step_fails_only_its_requests(model, prompts, alone, where):
             it = iter(s)
             next(it)
             s._it = it
-        target = engine.runner if where == "forward" else engine
+        target = engine.executor.runner if where == "forward" else engine
         original = target.execute if where == "forward" else target.step
         calls = {"n": 0}
 
@@ -314,7 +314,7 @@ def test_chat_demo_speculation_box(prompts):
             *_, (shown, _conv, _box) = demo.respond("abc abc abc abc abc abc", [], "", 0.0, 1.0, 16, "s1",
                                                    speculative)
             answers.append(shown[-1]["content"])
-            proposers.append(engine_loop.call(lambda e: list(e.runner.speculator.proposers)).result(10))
+            proposers.append(engine_loop.call(lambda e: list(e.executor.runner.speculator.proposers)).result(10))
         assert answers[0] == answers[1] and answers[0]
         assert proposers == [[], ["ngram:1:4"]]  # the box made this answer speculate (n-gram)
     finally:

@@ -400,7 +400,7 @@ def test_beam_search_with_more_prompts_than_max_num_seqs():
 def test_a_failed_step_during_beam_search_raises_instead_of_returning_garbage(monkeypatch):
     model = make_model("llama")
     engine = PagedGenerator(model, block_size=4, num_blocks=256)
-    original = engine.runner.compute_logits
+    original = engine.executor.runner.compute_logits
     calls = {"n": 0}
 
     def flaky(inputs, model=None):
@@ -409,7 +409,7 @@ def test_a_failed_step_during_beam_search_raises_instead_of_returning_garbage(mo
             raise RuntimeError("transient device error")
         return original(inputs, model)
 
-    monkeypatch.setattr(engine.runner, "compute_logits", flaky)
+    monkeypatch.setattr(engine.executor.runner, "compute_logits", flaky)
     with pytest.raises(RuntimeError, match="beam search failed: .*transient device error"):
         engine.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=6))
     assert engine.kv_manager.num_used_blocks == 0
@@ -434,7 +434,7 @@ def test_a_failed_sample_of_a_fork_is_reported_and_leaves_no_state(monkeypatch):
     assert [(c.index, c.finish_reason) for c in out.outputs] == [(0, "length"), (1, "length"), (2, "error")]
     assert "boom" in out.outputs[2].error and out.finished
     engine.step()  # the runner hears that every sequence finished
-    assert engine.runner.states == {} and engine.kv_manager.num_used_blocks == 0
+    assert engine.executor.runner.states == {} and engine.kv_manager.num_used_blocks == 0
     engine.close()
 
 
@@ -503,18 +503,18 @@ def test_engine_commits_the_pool_through_the_high_water_mark_before_each_step(mo
     prompts = make_prompts(5, [40, 3, 17, 33, 9], seed=3)
     with PagedGenerator(model, max_num_seqs=3, block_size=4) as engine:
         seen = []
-        execute = engine.runner.execute
+        execute = engine.executor.runner.execute
 
         def spy(out):
             seen.append(out.blocks_high_water)
             assert out.blocks_high_water == engine.kv_manager.pool.high_water
             for item in out.scheduled:  # every block the step writes is below the mark, hence committed
-                assert max(item.block_ids) < out.blocks_high_water
+                assert max(engine.kv_manager.get_block_ids(item.seq_id)) < out.blocks_high_water
             result = execute(out)
             assert engine.pool.committed == max(seen)
             return result
 
-        monkeypatch.setattr(engine.runner, "execute", spy)
+        monkeypatch.setattr(engine.executor.runner, "execute", spy)
         outs = engine.generate(prompts, GREEDY, use_tqdm=False)
     assert seen == sorted(seen) and seen[-1] > seen[0]
     for prompt, out in zip(prompts, outs):

@@ -42,12 +42,12 @@ def test_program_matches_stock_generate_and_the_eager_engine(arch):
     prompts = make_prompts(5, lengths=[1, 16, 47, 49, 70], seed=3)
     params = SamplingParams(max_tokens=20, temperature=0.0)
     with PagedGenerator(model, num_blocks=96, max_num_seqs=3, **NATIVE) as engine:
-        program = engine.runner.program
+        program = engine.executor.runner.fast
         assert program is not None, "the program was not made for a fused model with native packs"
         outs = _tokens(engine.generate(prompts, params, use_tqdm=False))
         assert program.num_runs > 0
     with PagedGenerator(model, num_blocks=96, max_num_seqs=3, enforce_eager=True, **NATIVE) as eager:
-        assert eager.runner.program is None
+        assert eager.executor.runner.fast is None
         assert _tokens(eager.generate(prompts, params, use_tqdm=False)) == outs
     for prompt, tokens in zip(prompts, outs):
         assert tokens == stock_greedy(model, prompt, 20)
@@ -69,7 +69,7 @@ def test_program_logits_are_the_eager_logits_bitwise(dtype, kind):
         with PagedGenerator(model, num_blocks=64, max_num_seqs=4, enforce_eager=eager, prepack_weights=kind) as engine:
             assert engine.packed.kinds[dtype] == kind
             outs = engine.generate(prompts, params, use_tqdm=False)
-            assert (engine.runner.program is not None and engine.runner.program.num_runs > 0) != eager
+            assert (engine.executor.runner.fast is not None and engine.executor.runner.fast.num_runs > 0) != eager
             results.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
     assert results[0] == results[1]
 
@@ -80,7 +80,7 @@ def test_program_prefills_short_prompts_sampling_their_last_rows_only():
     model = make_model("mistral", seed=19)
     prompts = make_prompts(3, lengths=[5, 9, 12], seed=10)
     with PagedGenerator(model, num_blocks=32, max_num_seqs=3, **NATIVE) as engine:
-        program = engine.runner.program
+        program = engine.executor.runner.fast
         partial = []
         final_norm = program._final_norm
         program._final_norm = lambda: partial.append(program._index is not None) or final_norm()
@@ -98,7 +98,7 @@ def test_program_verifies_drafts():
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
     with PagedGenerator(model, num_blocks=64, max_num_seqs=3, speculative_config=spec, **NATIVE) as engine:
         outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
-        assert engine.runner.program.num_runs > 0
+        assert engine.executor.runner.fast.num_runs > 0
         assert engine.stats().spec_num_draft_tokens > 0
     for prompt, out in zip(prompts, outs):
         assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, 16)
@@ -110,7 +110,7 @@ def test_program_follows_changed_weights_threads_and_hooks():
 
     threads = torch.get_num_threads()
     with PagedGenerator(model, num_blocks=64, max_num_seqs=3, **NATIVE) as engine:
-        program = engine.runner.program
+        program = engine.executor.runner.fast
         check(engine)
         runs, records = program.num_runs, program.num_records
         with torch.no_grad():  # in place (a training step), and replaced objects (load a new tensor)
@@ -144,7 +144,7 @@ def test_program_grows_its_buffers_and_writes_only_the_step_slots():
     model = make_model("llama", seed=15)
     prompts = make_prompts(20, lengths=[(7 * i) % 23 + 1 for i in range(20)], seed=8)
     with PagedGenerator(model, num_blocks=128, max_num_seqs=24, enable_prefix_caching=False, **NATIVE) as engine:
-        program = engine.runner.program
+        program = engine.executor.runner.fast
         engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
         assert program.capacity == 16 and program.num_records == 1
         for k, v in engine.pool.kv_caches:  # slots the next requests are not given must stay NaN
@@ -181,15 +181,15 @@ def test_decode_runner_native_refuses_models_it_cannot_run():
     with pytest.raises(ValueError, match="needs the fused layers"):
         PagedGenerator(model, num_blocks=16, decode_runner="native", fuse_layers=False)
     with PagedGenerator(gemma, num_blocks=16) as engine:  # auto: the eager path, no error
-        assert engine.runner.program is None
+        assert engine.executor.runner.fast is None
     with PagedGenerator(model, num_blocks=16, decode_runner="native", enforce_eager=True, **NATIVE) as engine:
-        assert engine.runner.program is None
+        assert engine.executor.runner.fast is None
     with pytest.raises(ValueError, match="decode_runner must be one of"):
         PagedGenerator(model, num_blocks=16, decode_runner="replay")
 
 
 def test_auto_is_the_program_on_cpu_and_graphs_on_cuda():
-    from hf_paged.decode_runner import resolve_mode
+    from hf_paged.executor.decode_buckets import resolve_mode
 
     assert resolve_mode("auto", False, torch.device("cpu")) == "native"
     assert resolve_mode("auto", False, torch.device("cuda")) == "cuda_graphs"
@@ -203,7 +203,7 @@ def test_program_survives_a_failed_recording_and_notices_swapped_storage_and_mod
     check = _stock_checker(model, make_prompts(3, lengths=[4, 11, 25], seed=9))
 
     with PagedGenerator(model, num_blocks=64, max_num_seqs=3, **NATIVE) as engine:
-        program = engine.runner.program
+        program = engine.executor.runner.fast
         check(engine)
         # an allocation failing halfway through a re-record: the old call list must not be replayed
         packing = engine.packed
@@ -252,10 +252,10 @@ def test_close_lets_the_kv_pool_go():
     model = make_model("llama", seed=18)
     engine = PagedGenerator(model, num_blocks=32, **NATIVE)
     engine.generate(make_prompts(2, lengths=[3, 7], seed=1), SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
-    assert engine.runner.program.num_runs > 0
+    assert engine.executor.runner.fast.num_runs > 0
     pool = weakref.ref(engine.pool.kv_caches[0][0])
-    buffer = weakref.ref(engine.runner.program._x)
+    buffer = weakref.ref(engine.executor.runner.fast._x)
     engine.close()
     gc.collect()
-    assert engine.runner.program is None and pool() is None and buffer() is None
+    assert engine.executor.runner.fast is None and pool() is None and buffer() is None
 

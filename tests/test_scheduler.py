@@ -358,7 +358,11 @@ def test_n_samples_prefill_once_then_fork_and_share_blocks():
     assert [b.ref_cnt for b in sched.kv.pool.blocks[:2]] == [3, 3]
     out = sched.schedule()  # each sample writes token 6 into the shared partial block 1: two copies
     assert sorted(out.block_copies) == [(1, 2), (1, 3)]
-    assert {tuple(s.block_ids) for s in out.scheduled} == {(0, 2), (0, 3), (0, 1)}
+    assert {tuple(sched.kv.get_block_ids(s.seq_id)) for s in out.scheduled} == {(0, 2), (0, 3), (0, 1)}
+    # tables go to the runner as diffs: the forks' whole tables (new to it), the parent's changed tail only
+    for s in out.scheduled:
+        assert sched.kv.get_block_ids(s.seq_id)[s.block_ids_from :] == s.new_block_ids
+    assert sorted(s.block_ids_from for s in out.scheduled) == [0, 0, 1]
     assert [b.ref_cnt for b in sched.kv.pool.blocks[:4]] == [3, 1, 1, 1]
     sched.check_consistency()
 

@@ -312,7 +312,7 @@ def test_metrics_move_by_the_right_amounts(tiny_server):
 
 def test_a_failing_step_is_an_error_for_its_clients_only(tiny_server, monkeypatch):
     url, loop, tok = tiny_server
-    runner = loop.engine.runner
+    runner = loop.engine.executor.runner
     original = runner.execute
     state = {"fail": True}
 

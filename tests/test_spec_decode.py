@@ -323,7 +323,7 @@ def test_drafting_adapts_to_acceptance_and_to_what_a_draft_token_costs():
     # the cost of a self-speculative draft: its layers' and the head's weights over the whole model's
     model = make_model("llama")
     engine = PagedGenerator(model, num_blocks=64, speculative_config=dict(method="draft_model", model="self:1"))
-    proposer = next(iter(engine.runner.speculator.proposers.values()))
+    proposer = next(iter(engine.executor.runner.speculator.proposers.values()))
     layers = model.model.layers
     per_layer = matmul_params(layers[0])
     head = model.lm_head.weight.numel()

@@ -162,7 +162,7 @@ def test_two_tabs_share_one_batch_and_the_panel_shows_it(browser, app, tmp_path)
 
 def test_engine_errors_show_in_the_chat(browser, app, monkeypatch):
     url, loop, demo, tok = app
-    runner = loop.engine.runner
+    runner = loop.engine.executor.runner
     original = runner.execute
     state = {"fail": True}
 

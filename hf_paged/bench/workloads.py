@@ -255,4 +255,12 @@ def _spec(**kw):
     return spec(**kw)
 
 
-WORKLOADS = {"chat": chat, "mixed": mixed, "latency": latency, "prefix": prefix, "spec": _spec, "serve": serve}
+def _host(**kw):
+    from hf_paged.bench.host import host
+
+    return host(**kw)
+
+
+WORKLOADS = {
+    "chat": chat, "mixed": mixed, "latency": latency, "prefix": prefix, "spec": _spec, "serve": serve, "host": _host,
+}

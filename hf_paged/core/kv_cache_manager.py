@@ -30,6 +30,17 @@ class TokenSource(Protocol):
     def token_ids(self, start: int, end: int) -> list[int]: ...
 
 
+class _TokenList:
+    """A plain token list as a token source (no hashes cached on it)."""
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self._ids = token_ids
+        self.num_tokens = len(token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        return list(self._ids[start:end])
+
+
 class OutOfBlocksError(RuntimeError):
     """A fixed-size pool has fewer free blocks than an operation needs (``PagedCache`` only)."""
 
@@ -65,6 +76,8 @@ class KVCacheManager:
         self.tables: dict[SeqId, list[KVCacheBlock]] = {}
         self.host_tables: dict[SeqId, list[KVCacheBlock]] = {}
         self.hashes: dict[SeqId, list[BlockHash]] = {}  # hashes of each sequence's full computed blocks
+        # table entries the model runner holds as they are (diffs, :meth:`take_table_diff`); absent = none
+        self._sent: dict[SeqId, int] = {}
         self.copies: BlockCopies = []  # pending copy-on-write copies, applied by the owner of the tensors
         self.uncacheable: set[SeqId] = set()  # sequences whose blocks must not enter the prefix cache
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -98,6 +111,19 @@ class KVCacheManager:
     def get_block_ids(self, seq_id: SeqId) -> list[int]:
         return [b.block_id for b in self.tables.get(seq_id, ())]
 
+    def take_table_diff(self, seq_id: SeqId) -> tuple[int, list[int]]:
+        """``(start, block_ids)``: what changed in the sequence's block table since the last call. The model
+        runner keeps its copy of the table: it drops the entries from ``start`` on and appends ``block_ids``.
+        Costs the changed entries only, so a step's host work does not grow with context length."""
+        table = self.tables.get(seq_id, ())
+        start = min(self._sent.get(seq_id, 0), len(table))
+        self._sent[seq_id] = len(table)
+        return start, [b.block_id for b in table[start:]]
+
+    def _changed_from(self, seq_id: SeqId, index: int) -> None:
+        if self._sent.get(seq_id, 0) > index:
+            self._sent[seq_id] = index
+
     def num_allocated_slots(self) -> int:
         return self.pool.num_used_blocks * self.block_size
 
@@ -107,27 +133,41 @@ class KVCacheManager:
 
     # -- prefix cache -----------------------------------------------------------------------------
     def find_cached_prefix(
-        self, token_ids: Sequence[int], extra_keys: tuple = ()
+        self, tokens: Sequence[int] | TokenSource, extra_keys: tuple = ()
     ) -> tuple[list[KVCacheBlock], list[BlockHash]]:
-        """The longest run of leading full blocks of ``token_ids`` that is cached, with their hashes.
+        """The longest run of leading full blocks of ``tokens`` that is cached, with their hashes.
 
-        Never covers the last token: at least one token must be computed to get the next token's logits.
-        Changes nothing (see :meth:`allocate_slots` to take the blocks).
+        ``tokens`` is a token list, or a sequence (``num_tokens``, ``token_ids(start, end)``, ``block_hashes``)
+        whose block hashes are computed once and kept on it. Never covers the last token: at least one token
+        must be computed to get the next token's logits. Changes nothing (see :meth:`allocate_slots`).
         """
         if not self.pool.enable_caching:
             return [], []
-        bs = self.block_size
+        if not hasattr(tokens, "token_ids"):
+            tokens = _TokenList(tokens)
         blocks: list[KVCacheBlock] = []
         hashes: list[BlockHash] = []
         parent = None
-        for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], extra_keys)
+        for i in range((tokens.num_tokens - 1) // self.block_size):
+            parent = self._block_hash(tokens, i, parent, extra_keys)
             block = self.pool.lookup(parent)
             if block is None:
                 break
             blocks.append(block)
             hashes.append(parent)
         return blocks, hashes
+
+    def _block_hash(self, tokens: TokenSource, i: int, parent: BlockHash | None, extra_keys: tuple) -> BlockHash:
+        """Hash of full block ``i`` of ``tokens`` after ``parent``; a sequence keeps its hashes (``block_hashes``),
+        so each of its blocks is hashed once however often it is looked up or cached again."""
+        known = getattr(tokens, "block_hashes", None) if not extra_keys else None
+        if known is not None and i < len(known):
+            return known[i]
+        bs = self.block_size
+        block_hash = hash_block_tokens(parent, tokens.token_ids(i * bs, (i + 1) * bs), extra_keys)
+        if known is not None and i == len(known):
+            known.append(block_hash)
+        return block_hash
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (e.g. the weights changed): no block is served from the cache again.
@@ -157,10 +197,9 @@ class KVCacheManager:
         hashes = self.hashes.setdefault(seq_id, [])
         table = self.tables[seq_id]
         for i in range(len(hashes), min(num_computed // bs, len(table))):
-            token_ids = tokens.token_ids(i * bs, (i + 1) * bs)
-            block_hash = hash_block_tokens(hashes[-1] if hashes else None, token_ids, extra_keys)
+            block_hash = self._block_hash(tokens, i, hashes[-1] if hashes else None, extra_keys)
             hashes.append(block_hash)
-            self.pool.cache_block(table[i], block_hash, token_ids)
+            self.pool.cache_block(table[i], block_hash, tokens.token_ids(i * bs, (i + 1) * bs))
 
     # -- allocation -------------------------------------------------------------------------------
     def _writes_into_shared(self, table: list[KVCacheBlock], num_computed: int, num_new: int) -> list[int]:
@@ -219,7 +258,10 @@ class KVCacheManager:
             table.extend(cached_blocks)
             self.hashes[seq_id] = list(cached_hashes)
         # lookahead slots are written too (a draft model's KV), so they must be private as well
-        self._make_private(table, self._writes_into_shared(table, num_computed, num_new + num_lookahead), num_computed)
+        shared = self._writes_into_shared(table, num_computed, num_new + num_lookahead)
+        if shared:
+            self._changed_from(seq_id, shared[0])
+        self._make_private(table, shared, num_computed)
         grow = max(0, self.blocks_for_tokens(num_computed + num_new + num_lookahead) - len(table))
         new_blocks = self.pool.get_new_blocks(grow)
         table.extend(new_blocks)
@@ -232,6 +274,8 @@ class KVCacheManager:
         shared = [i for i in range(from_token // self.block_size, len(table)) if table[i].ref_cnt > 1]
         if len(shared) > self.pool.num_free_blocks and not self._grow_for(len(shared)):
             raise OutOfBlocksError(f"no free blocks to copy {len(shared)} shared blocks")
+        if shared:
+            self._changed_from(seq_id, shared[0])
         self._make_private(table, shared, len(table) * self.block_size)
 
     def _make_private(self, table: list[KVCacheBlock], indices: list[int], num_valid_tokens: int) -> None:
@@ -268,6 +312,7 @@ class KVCacheManager:
         keep = self.blocks_for_tokens(num_tokens)
         dropped = table[keep:]
         del table[keep:]
+        self._changed_from(seq_id, keep)
         self.pool.free_blocks(reversed(dropped))
         if seq_id in self.hashes:
             del self.hashes[seq_id][num_tokens // self.block_size :]
@@ -281,6 +326,7 @@ class KVCacheManager:
         """Release every block of the sequence (device or host); the tail goes first, so a prefix it shares
         with others stays cached longest."""
         table = self.tables.pop(seq_id, None)
+        self._sent.pop(seq_id, None)
         if table:
             self.pool.free_blocks(reversed(table))
         host = self.host_tables.pop(seq_id, None)
@@ -297,6 +343,7 @@ class KVCacheManager:
         """Move the sequence's KV to host blocks; returns the ``(device, host)`` copies to run before the
         device blocks are reused. Shared device blocks are copied too (the host copy is the sequence's own)."""
         table = self.tables.pop(seq_id)
+        self._sent.pop(seq_id, None)
         host = self.host_pool.get_new_blocks(len(table))
         self.host_tables[seq_id] = host
         pairs = [(d.block_id, h.block_id) for d, h in zip(table, host)]
@@ -315,6 +362,7 @@ class KVCacheManager:
             return None
         table = self.pool.get_new_blocks(len(host))
         self.tables[seq_id] = table
+        self._sent.pop(seq_id, None)
         del self.host_tables[seq_id]
         pairs = [(h.block_id, d.block_id) for h, d in zip(host, table)]
         self.host_pool.free_blocks(reversed(host))

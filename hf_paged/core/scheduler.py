@@ -18,9 +18,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections.abc import Iterable
 
 from hf_paged.core.kv_cache_manager import KVCacheManager
-from hf_paged.core.scheduler_output import ModelRunnerOutput, NewSequenceData, ScheduledSequence, SchedulerOutput
+from hf_paged.core.scheduler_output import (
+    BeamUpdate, ModelRunnerOutput, NewSequenceData, ScheduledSequence, SchedulerOutput,
+)
 from hf_paged.core.waiting_queue import WaitingQueue
 from hf_paged.sequence import Sequence, SequenceStatus
 
@@ -134,12 +137,15 @@ class Scheduler:
         """Finish a sequence as aborted and free its blocks; None if it is unknown or already finished."""
         return self.finish_request(seq_id, SequenceStatus.FINISHED_ABORTED)
 
-    def finish_request(self, seq_id: int, status: SequenceStatus) -> Sequence | None:
-        """Finish a live sequence with ``status`` (a stop string, an error, an abort) and free its blocks."""
+    def finish_request(self, seq_id: int, status: SequenceStatus, error: str | None = None) -> Sequence | None:
+        """Finish a live sequence with ``status`` (a stop string, an error with its message, an abort) and free
+        its blocks; None if it is unknown or already finished."""
         assert status.finished, f"{status} is not a finished status"
         request = self.requests.get(seq_id)
         if request is None:
             return None
+        if error is not None:
+            request.error = error
         self._remove_from_queue(request)
         self._finish(request, status)
         return request
@@ -246,7 +252,7 @@ class Scheduler:
             request = next((r for r in self.waiting if not r.parked), None)
             if request is None:
                 break
-            cached, hashes = self.kv.find_cached_prefix(request.all_token_ids())
+            cached, hashes = self.kv.find_cached_prefix(request)  # its block hashes are computed once
             num_computed = len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed
             if num_new > budget and not self.enable_chunked_prefill and not request.output_token_ids:
@@ -282,16 +288,20 @@ class Scheduler:
         forks = []
         if sample and not request.forked:
             forks = [self.next_seq_id() for _ in range(request.sampling_params.n - 1)]
+        table_from, new_block_ids = self.kv.take_table_diff(request.seq_id)
         out.scheduled.append(ScheduledSequence(
             request.seq_id, start, request.token_ids(start, start + num_new) + list(drafts),
-            self.kv.get_block_ids(request.seq_id), sample, len(drafts), fork_seq_ids=forks,
-            propose=sample and self._speculates(request),
+            new_block_ids, sample, len(drafts), fork_seq_ids=forks,
+            propose=sample and self._speculates(request), block_ids_from=table_from,
         ))
 
-    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Sequence]:
-        """Advance computed tokens, fork samples, append sampled tokens, finish what stopped or failed.
+    def update(
+        self, out: SchedulerOutput, result: ModelRunnerOutput, beams: Iterable[BeamUpdate] = ()
+    ) -> list[Sequence]:
+        """Advance computed tokens, fork samples, append sampled tokens, finish what stopped or failed; then
+        apply the beam searches' choices (``beams``, made from this step's log-prob rows).
 
-        Returns the sequences that received tokens, forked, or finished this step.
+        Returns the sequences that received tokens, forked, or finished this step (beams are not reported).
         """
         now = time.time()
         changed: list[Sequence] = []
@@ -335,7 +345,22 @@ class Scheduler:
                 # only verified tokens are hashed: num_computed counts none of the rejected drafts
                 self.kv.cache_blocks(request.seq_id, request, request.num_computed_tokens)
                 request.spec_token_ids = result.spec_token_ids.get(item.seq_id, [])
+        for beam in beams:
+            self._apply_beams(beam)
         return changed
+
+    def _apply_beams(self, update: BeamUpdate) -> None:
+        """Forks first (a fork copies its parent before the parent's own new token), then frees, then tokens."""
+        for parent, _, child, index in update.continues:
+            if child is not None:
+                self.fork_sequence(self.requests[parent], index, child)
+        for seq_id in update.frees:
+            self.abort_request(seq_id)
+        for parent, token, child, _ in update.continues:
+            beam = self.requests[parent if child is None else child]
+            self.append_tokens(beam, [token])
+            if beam.status is SequenceStatus.FINISHED_LENGTH:
+                raise RuntimeError(f"beam {beam.seq_id} was finished by the scheduler (a bug: please report)")
 
     def _speculates(self, request: Sequence) -> bool:
         limit = request.spec_disable_batch_size

@@ -1,7 +1,8 @@
-"""Plain data between the scheduler and the model runner: no live requests, no torch (DESIGN.md section 7).
+"""Plain data between the scheduler and the executor: no live sequences, no torch.
 
-The runner keeps its own per-sequence state, created from :class:`NewSequenceData` the first time a
-sequence is scheduled and dropped when the sequence is listed in ``finished_seq_ids``.
+The model runner keeps its own per-sequence state, created from :class:`NewSequenceData` the first time a
+sequence is scheduled and dropped when the sequence is listed in ``finished_seq_ids``; block tables arrive as
+diffs (``block_ids_from``, ``new_block_ids``) into the runner's persistent copy.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ class ScheduledSequence:
     seq_id: int
     start: int  # tokens already in the cache (num_computed_tokens)
     token_ids: list[int]  # the tokens to run (a prefill chunk, one decode token, last token + drafts)
-    block_ids: list[int]  # the sequence's whole block table
+    new_block_ids: list[int]  # its block table from ``block_ids_from`` on (a diff: the runner keeps the table)
     sample: bool  # the step reaches the end of the known tokens, so a token is sampled
     num_draft_tokens: int = 0  # the last ones of ``token_ids`` are drafts to verify (speculative decoding)
     fork_seq_ids: list[int] = field(default_factory=list)  # n > 1: ids of the samples forked at this step
     propose: bool = False  # draft tokens for its next step (speculative decoding; the batch is small enough)
+    block_ids_from: int = 0  # the runner's copy of the table is kept up to here, then ``new_block_ids`` follow
 
     @property
     def num_new_tokens(self) -> int:
@@ -65,6 +67,17 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class BeamUpdate:
+    """A beam search's choice after a step, applied by ``Scheduler.update`` (the search never touches the
+    scheduler): each new beam continues a running one with one token, in place (``new_seq_id`` None: the
+    parent's first continuation) or as a fork sharing the parent's blocks; beams nobody continues are freed.
+    A finished search frees all its beams."""
+
+    continues: list[tuple[int, int, int | None, int]] = field(default_factory=list)  # (parent, token, new id, index)
+    frees: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -15,7 +15,8 @@ Only layers whose classes and structure are known exactly are patched (transform
 families below, by identity: a subclass or a remote-code copy of the same name may change the math; the four
 children, plain ``nn.Linear`` projections, SiLU activation, full-width "rotate half" rotary); every other
 call (outside the engine, GPU, autograd, a static-shape step, a rotary table of another width) runs the
-original forward. An engine turns it on per step with ``AttentionMetadata.fused``.
+original forward. The patch belongs to the model (reference-counted, shared by its engines): while any engine
+holds it, every engine forward on CPU takes it.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def _fused_forward(layer: torch.nn.Module, model_ref):
         meta = kwargs.get(attention.METADATA_KWARG)
         position_embeddings = kwargs.get("position_embeddings")
         if (
-            args or not isinstance(meta, attention.AttentionMetadata) or not meta.fused or meta.static
+            args or not isinstance(meta, attention.AttentionMetadata) or torch.compiler.is_compiling()
             or position_embeddings is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
             or hidden_states.device.type != "cpu" or hidden_states.dtype != ln1.weight.dtype
             or (torch.is_grad_enabled() and hidden_states.requires_grad)

@@ -13,7 +13,7 @@ from the program, the result copied into the step's buffer.
 
 The program computes what the fused forward computes, call for call (same kernels, same inputs, same
 order of the residual adds), so its logits are those of the eager engine. It runs a step only where every
-sequence takes the native attention (the step's ``native_step``: decodes, draft verification, short prompts)
+sequence takes the native attention (the step's ``NativeStep``: decodes, draft verification, short prompts)
 and falls back to the eager forward for everything else, and while a module hook it would skip is
 registered; it records itself again when something it recorded changed (:meth:`DecodeProgram._valid`).
 """
@@ -91,11 +91,16 @@ class DecodeProgram:
         return self.why_not
 
     # -- per step ----------------------------------------------------------------------------------
-    def run(self, inputs) -> torch.Tensor | None:
-        """Logits ``[len(logits_indices), V]`` of the step ``inputs`` (a runner ``StepInputs``), or None where
-        this step is not one the program runs (the caller runs the eager forward)."""
+    def accepts(self, scheduled) -> bool:
+        """Steps whose every sequence takes the native attention (decodes, verification, short prompts)."""
+        return all(item.num_new_tokens <= cpu_attention.MAX_Q for item in scheduled)
+
+    def run(self, step) -> torch.Tensor | None:
+        """Logits ``[len(logits_indices), V]`` of a step (its packed ``inputs``: a runner ``StepInputs``), or
+        None where this step is not one the program runs (the eager forward serves it)."""
+        inputs = step.inputs
         meta = inputs.metadata
-        step = meta.native_step
+        step = getattr(meta.impl, "native", None)
         rows = inputs.input_ids.shape[1]
         index = inputs.logits_indices
         sampled = index.numel()  # the sampled rows are increasing and distinct: as many as rows is every row

@@ -12,7 +12,7 @@ matmuls faster at every row count:
   MKL in the last bits (a different summation order). 1.3-2x ``F.linear`` in fp32 on AMD hosts.
 - ``"native"`` (fp32; bf16 on CPUs with AVX-512 BF16): our own GEMM (``csrc/gemm_cpu.c``, built for the host
   like the attention kernel), register-blocked panels that prefetch the weights they read next; results do not
-  depend on the batch's other rows (oneDNN's may). Layouts and measurements: docs/kernels.md.
+  depend on the batch's other rows (oneDNN's may). Layouts and measurements: docs/cpu.md.
 - ``"upcast"`` (bf16, fp16): an fp32 copy of the weight, packed by the fastest fp32 packing; inputs are
   widened and outputs rounded back. For CPUs without bf16 arithmetic (AVX2 only), where torch emulates bf16
   matmuls at ~1/6 of the fp32 speed; costs twice the bf16 weights in memory.

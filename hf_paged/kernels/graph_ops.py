@@ -1,6 +1,6 @@
 """``torch.ops.hf_paged.static_paged_attention``: store + attend as one opaque op for static-shape decode.
 
-The bucketed decode runner (:mod:`hf_paged.decode_runner`) replays one padded step shape many times: as a
+The bucketed decode runner (:mod:`hf_paged.executor.decode_buckets`) replays one padded step shape many times: as a
 CUDA graph, through ``torch.compile`` (inductor) or eagerly. Its attention layers call this op instead of the
 dynamic path, whose per-step plan reads sequence lengths on the host. Registered as a custom op, it is one
 node of a compiled graph (no graph break per layer) and takes only tensors of fixed shapes:

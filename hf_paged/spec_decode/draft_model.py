@@ -128,21 +128,21 @@ class DraftModelProposer:
         batch = []
         for state, tokens, _, table in jobs:
             start = len(tokens) - 1 if self.shares_target_kv else min(self.computed.get(state.seq_id, 0), len(tokens) - 1)
-            batch.append(ScheduledSequence(state.seq_id, start, tokens[start:], table, True))
+            batch.append(ScheduledSequence(state.seq_id, start, tokens[start:], [], True))
             self.computed[state.seq_id] = len(tokens)
-        last = self._greedy(batch)
+        last = self._greedy(batch, tables)
         for (state, tokens, k, table), token in zip(jobs, last):
             drafts[state.seq_id] = [token]
         for step in range(1, max(k for _, _, k, _ in jobs)):
             active = [(state, tokens, table) for state, tokens, k, table in jobs if k > step]
-            batch = [ScheduledSequence(state.seq_id, len(tokens) - 1 + step, [drafts[state.seq_id][-1]], table, True)
+            batch = [ScheduledSequence(state.seq_id, len(tokens) - 1 + step, [drafts[state.seq_id][-1]], [], True)
                      for state, tokens, table in active]
-            for (state, _, _), token in zip(active, self._greedy(batch)):
+            for (state, _, _), token in zip(active, self._greedy(batch, tables)):
                 drafts[state.seq_id].append(token)
         return [drafts.get(state.seq_id, []) for state in states]
 
-    def _greedy(self, batch: list[ScheduledSequence]) -> list[int]:
-        inputs = self.runner.prepare_batch(batch, self.kv_caches)
+    def _greedy(self, batch: list[ScheduledSequence], tables: dict[int, list[int]]) -> list[int]:
+        inputs = self.runner.prepare_batch(batch, self.kv_caches, tables)
         return self.runner.compute_logits(inputs, self.model).argmax(dim=-1).tolist()
 
 

@@ -22,7 +22,7 @@ would put a draft forward into most steps of a large batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from hf_paged.spec_decode.config import SpeculativeConfig
 
@@ -59,14 +59,17 @@ class Speculator:
         num_tokens = len(state.prompt_token_ids) + n_out
         return max(0, min(k, state.params.max_tokens - n_out - 1, max_model_len - num_tokens - 1))
 
-    def propose(self, states: Sequence, max_model_len: int, scheduled: Sequence = ()) -> dict[int, list[int]]:
+    def propose(
+        self, states: Sequence, max_model_len: int, scheduled: Sequence = (), block_tables: Mapping | None = None,
+    ) -> dict[int, list[int]]:
         """Drafts for the next step of each sequence that just got tokens.
 
         A sequence that forked its samples this step shares its blocks with them: it drafts from the next
         step on (a draft model would write its lookahead KV into the shared blocks).
         """
         self.step += 1
-        tables = {item.seq_id: item.block_ids for item in scheduled if not item.fork_seq_ids}
+        block_tables = {} if block_tables is None else block_tables
+        tables = {item.seq_id: block_tables[item.seq_id] for item in scheduled if not item.fork_seq_ids}
         by_key: dict[str, list] = {}
         for state in states:
             if state.spec_key is None or state.seq_id not in tables:

@@ -1,23 +1,25 @@
-"""Scheduler output -> one packed ragged batch -> HF forward -> sampled tokens (a ``ModelRunnerOutput``).
+"""Scheduler output -> one packed ragged batch -> a forward -> sampled tokens (a ``ModelRunnerOutput``).
 
 The runner sees plain data only (:mod:`hf_paged.core.scheduler_output`) and keeps its own per-sequence
-state (:class:`~hf_paged.sampling.SeqState`): created the first time a sequence is scheduled, dropped when
-the scheduler reports it finished.
+state: sampling state (:class:`~hf_paged.sampling.SeqState`), created the first time a sequence is scheduled,
+and block tables (:class:`~hf_paged.executor.input_batch.BlockTables`), updated from each step's diffs; both
+dropped when the scheduler reports the sequence finished. Each step runs on one step runner
+(:mod:`hf_paged.executor.step_runners`): the fast one chosen at start where it takes steps of this kind, the
+eager HF forward otherwise.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from hf_paged.attention import METADATA_KWARG, AttentionMetadata, engine_forward
-from hf_paged.kv_pool import KVPool
+from hf_paged.attention import AttentionMetadata
+from hf_paged.attention_backends import AttentionBackend
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SampledLogprobs, ScheduledSequence, SchedulerOutput
-from hf_paged.cpu import attention as cpu_attention
-from hf_paged.kernels import TorchAttentionPlan
+from hf_paged.executor.input_batch import BlockTables, pack_step, table_tensor
+from hf_paged.executor.step_runners import EagerStepRunner, Step, StepInputs, StepRunner
+from hf_paged.kv_pool import KVPool
 from hf_paged.sampling import Sampler, SeqState
 from hf_paged.spec_decode.speculator import Speculator
 from hf_paged.spec_decode.verifier import verify
@@ -25,94 +27,75 @@ from hf_paged.spec_decode.verifier import verify
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class StepInputs:
-    """A step packed as one sequence of ``num_tokens`` tokens (shapes in brackets)."""
-
-    input_ids: torch.Tensor  # [1, T]
-    position_ids: torch.Tensor  # [1, T]
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] rows of the step whose next token is sampled
-    sampled: list[ScheduledSequence]  # the N sequences, in row order
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[1]
-
-
-def pack_step(
-    scheduled: list[ScheduledSequence], block_size: int
-) -> tuple[list[int], list[int], list[int], list[list[int]], list[int], list[int], list[int]]:
-    """Pure-Python packing: token ids, positions, slots, block tables, seq_lens, cu_seqlens_q, sample rows."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    tables: list[list[int]] = []
-    seq_lens: list[int] = []
-    cu = [0]
-    sample_rows: list[int] = []
-    for item in scheduled:
-        start, end = item.start, item.seq_len
-        ids.extend(item.token_ids)
-        positions.extend(range(start, end))
-        table = item.block_ids
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        tables.append(table)
-        seq_lens.append(end)
-        cu.append(cu[-1] + item.num_new_tokens)
-        if item.sample:  # a verified sequence needs the logits of its last token and of every draft
-            sample_rows.extend(range(cu[-1] - 1 - item.num_draft_tokens, cu[-1]))
-    return ids, positions, slots, tables, seq_lens, cu, sample_rows
-
-
 class ModelRunner:
-    """Runs scheduled steps on a HF model whose attention is "hf_paged"."""
+    """Runs scheduled steps on a HF model whose attention is "hf_paged".
+
+    Args:
+        model: The HF model.
+        pool: The KV pool.
+        attention: The attention backend (chosen once for the engine).
+        sampler: Samples the next tokens.
+        max_model_len: Longest sequence.
+        fast: The fast step runner chosen at start (decode buckets or the CPU native program), or None.
+        block_tables: The persistent block tables (shared with ``fast``, which reads the step's rows from them).
+    """
 
     def __init__(
-        self, model: torch.nn.Module, pool: KVPool, backend: str, sampler: Sampler, max_model_len: int,
-        speculator: Speculator | None = None, decode=None,
+        self, model: torch.nn.Module, pool: KVPool, attention: AttentionBackend, sampler: Sampler, max_model_len: int,
+        fast: StepRunner | None = None, block_tables: BlockTables | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
-        self.backend = backend
+        self.attention = attention
         self.sampler = sampler
         self.max_model_len = max_model_len
-        self.speculator = speculator
-        self.decode = decode  # a DecodeGraphRunner (decode_runner.py) for bucketed static decode steps, or None
+        self.speculator = Speculator()
+        self.eager = EagerStepRunner(model)
+        self.fast = fast
         self.device = pool.device
         self.block_size = pool.block_size
         self.states: dict[int, SeqState] = {}
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._native_max_q = cpu_attention.MAX_Q if backend == "cpu" and pool.supports_native() else 0
-        self.fused_layers = False  # the model's decoder layers have the fused CPU forward (cpu/fused_layers.py)
-        self.program = None  # a DecodeProgram (cpu/native_program.py) replaying native steps, or None
+        self.block_tables = BlockTables() if block_tables is None else block_tables
+
+    def close(self) -> None:
+        """Drop the speculative proposers, the fast step runner (its buffers, graphs, packs) and all state."""
+        self.speculator.close()
+        self.fast = None
+        self.states.clear()
+        self.block_tables = BlockTables()
 
     def update_states(self, out: SchedulerOutput) -> None:
         for seq_id in out.finished_seq_ids:
             self.states.pop(seq_id, None)
-        if self.speculator is not None:
-            self.speculator.forget(out.finished_seq_ids, out.preempted_seq_ids)
+            self.block_tables.drop(seq_id)
+        self.speculator.forget(out.finished_seq_ids, out.preempted_seq_ids)
         for data in out.new_sequences:
             self.states[data.seq_id] = SeqState.from_new(data)
+        for item in out.scheduled:
+            self.block_tables.apply(item)
 
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
-        return self.prepare_batch(out.scheduled, self.pool.kv_caches)
+    def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
+        """Pack this step's sequences over the engine's pool, their tables from the runner's persistent copy."""
+        return self.prepare_batch(scheduled, self.pool.kv_caches)
 
-    def prepare_batch(self, scheduled: list[ScheduledSequence], kv_caches) -> StepInputs:
-        """Pack sequences into one ragged batch over the pool ``kv_caches`` (the target's, or a draft's)."""
-        ids, positions, slots, tables, seq_lens, cu, sample_rows = pack_step(scheduled, self.block_size)
+    def prepare_batch(self, scheduled: list[ScheduledSequence], kv_caches, tables=None) -> StepInputs:
+        """Pack sequences into one ragged batch over the pool ``kv_caches`` (the target's, or a draft's);
+        ``tables`` (seq id -> block ids) default to the runner's persistent tables."""
+        persistent = tables is None
+        tables = self.block_tables.lists if persistent else tables
+        ids, positions, slots, seq_lens, cu, sample_rows = pack_step(scheduled, tables, self.block_size)
         device = self.device
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=device)
+        if persistent:
+            width = max(len(tables[item.seq_id]) for item in scheduled)
+            block_tables = self.block_tables.gather([item.seq_id for item in scheduled], width)
+        else:
+            block_tables = table_tensor(scheduled, tables)
+        block_tables = block_tables.to(device, non_blocking=True)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
         cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
-        q_lens = [cu[i + 1] - cu[i] for i in range(len(tables))]
-        plan = None
-        if self.backend in ("torch", "cpu"):
-            plan = TorchAttentionPlan(
-                block_tables, seq_lens, q_lens, self.block_size, len(ids), self._native_max_q, seq_lens_t, cu_t
-            )
+        q_lens = [cu[i + 1] - cu[i] for i in range(len(scheduled))]
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        impl = self.attention.plan(block_tables, seq_lens, q_lens, len(ids), seq_lens_t, cu_t, slot_mapping, kv_caches)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
@@ -121,11 +104,7 @@ class ModelRunner:
             max_seqlen_q=max(q_lens),
             max_seqlen_k=max(seq_lens),
             kv_caches=kv_caches,
-            backend=self.backend,
-            has_padding=False,
-            torch_plan=plan,
-            fused=self.fused_layers,
-            native_step=cpu_attention.NativeStep.build(plan, slot_mapping, kv_caches) if self._native_max_q else None,
+            impl=impl,
         )
         return StepInputs(
             input_ids=torch.tensor([ids], dtype=torch.long, device=device),
@@ -135,48 +114,31 @@ class ModelRunner:
             sampled=[item for item in scheduled if item.sample],
         )
 
-    def compute_logits(self, inputs: StepInputs, model: torch.nn.Module | None = None) -> torch.Tensor:
-        """Forward the packed step (through ``model``, the target by default); logits ``[N, V]`` at the
-        sampled rows only."""
-        model = self.model if model is None else model
-        if self.program is not None and model is self.model and inputs.metadata.native_step is not None:
-            logits = self.program.run(inputs)
-            if logits is not None:
-                return logits
-        kwargs = {METADATA_KWARG: inputs.metadata}
-        keep = self._logits_to_keep if model is self.model else "logits_to_keep" in inspect.signature(model.forward).parameters
-        if keep:
-            kwargs["logits_to_keep"] = inputs.logits_indices
-        with engine_forward():
-            output = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False, **kwargs)
-        logits = output.logits[0]
-        if not keep:
-            logits = logits.index_select(0, inputs.logits_indices)
-        return logits
+    def compute_logits(self, step: Step | StepInputs, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Logits ``[N, V]`` at the sampled rows: a scheduled :class:`Step` on its step runner, or packed
+        ``inputs`` through ``model`` (a draft model) on the eager forward."""
+        if isinstance(step, StepInputs):
+            return self.eager.forward(step, model)
+        runner = self.fast if self.fast is not None and self.fast.accepts(step.scheduled) else self.eager
+        logits = runner.run(step)
+        return self.eager.run(step) if logits is None else logits
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: move blocks as scheduled, forward, sample."""
+        """Run one step: take the scheduler's diffs, move blocks as scheduled, forward, sample."""
         self.update_states(out)
+        if out.is_empty:
+            return ModelRunnerOutput()
         self.pool.commit(out.blocks_high_water)
         self.pool.swap_out(out.swap_out)
         self.pool.swap_in(out.swap_in)
         self.pool.copy_blocks(out.block_copies)
-        if self.speculator is not None:
-            self.speculator.move_blocks(out)
-        planned = self.decode.plan(out.scheduled) if self.decode is not None else None
-        if planned is not None:
-            logits = self.decode.run(out.scheduled, *planned)
-            if logits is not None:
-                return self.sample(logits, out.scheduled)
-        inputs = self.prepare(out)
-        if not inputs.sampled:
-            # Only mid-prompt chunks: the KV still has to be written, but no logits are needed.
-            inputs.logits_indices = inputs.logits_indices.new_zeros(0)
-        logits = self.compute_logits(inputs)
-        if not inputs.sampled:
+        self.speculator.move_blocks(out)
+        step = Step(out.scheduled, self.prepare)
+        logits = self.compute_logits(step)
+        if not step.sampled:  # only mid-prompt chunks: the KV is written, no token is sampled
             return ModelRunnerOutput()
-        return self.sample(logits, inputs.sampled)
+        return self.sample(logits, step.sampled)
 
     # -- sampling -----------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, sampled: list[ScheduledSequence]) -> ModelRunnerOutput:
@@ -214,7 +176,8 @@ class ModelRunner:
         proposing = [item for item in sampled if item.propose and item.seq_id in result.sampled_token_ids]
         if self.speculator is not None and proposing:
             states = [self.states[item.seq_id] for item in proposing]
-            result.spec_token_ids = self.speculator.propose(states, self.max_model_len, proposing)
+            result.spec_token_ids = self.speculator.propose(states, self.max_model_len, proposing,
+                                                            self.block_tables.lists)
         return result
 
     def _emit(self, result: ModelRunnerOutput, state: SeqState, tokens: list[int], rows: torch.Tensor) -> None:

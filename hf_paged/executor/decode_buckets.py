@@ -25,39 +25,17 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hf_paged.attention import METADATA_KWARG, AttentionMetadata, engine_forward
+from hf_paged.attention_backends import StaticStepAttention
 from hf_paged.core.scheduler_output import ScheduledSequence
+from hf_paged.executor.input_batch import BlockTables, pack_step
+from hf_paged.config import DECODE_MODES as MODES, check_buckets, default_buckets  # noqa: F401 - re-exported
 from hf_paged.kernels import graph_ops
 
 logger = logging.getLogger(__name__)
 
-MODES = ("auto", "native", "static", "cuda_graphs", "inductor")
 # transformers builds no mask when it is handed a 4-D one; the paged kernels mask by themselves. Without it
 # the mask builder reads a context variable, which torch.compile cannot trace (a graph break per forward).
 _NO_MASK = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
-
-
-def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, then every multiple of 16, up to and including ``max_num_seqs`` (vLLM's capture sizes)."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
-    return tuple(sorted(set(sizes + [max_num_seqs])))
-
-
-def check_buckets(buckets: object, max_num_seqs: int) -> tuple[int, ...]:
-    """``decode_buckets`` as a tuple: positive, strictly increasing ints, none above ``max_num_seqs``."""
-    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence):
-        raise TypeError(f"decode_buckets must be a list of ints, got {buckets!r}")
-    if not buckets:
-        raise ValueError("decode_buckets must not be empty (use enforce_eager=True to turn buckets off)")
-    for b in buckets:
-        if isinstance(b, bool) or not isinstance(b, int):
-            raise TypeError(f"decode_buckets must hold ints, got {b!r} in {list(buckets)!r}")
-        if b < 1:
-            raise ValueError(f"decode_buckets must be >= 1, got {b} in {list(buckets)!r}")
-    if any(a >= b for a, b in zip(buckets, buckets[1:])):
-        raise ValueError(f"decode_buckets must be strictly increasing, got {list(buckets)!r}")
-    if buckets[-1] > max_num_seqs:
-        raise ValueError(f"decode bucket {buckets[-1]} is above max_num_seqs={max_num_seqs}")
-    return tuple(buckets)
 
 
 def resolve_mode(mode: str, enforce_eager: bool, device: torch.device) -> str | None:
@@ -66,7 +44,7 @@ def resolve_mode(mode: str, enforce_eager: bool, device: torch.device) -> str | 
     "auto" is CUDA graphs on CUDA and the native decode program (:mod:`hf_paged.cpu.native_program`: the
     step's kernel calls recorded once and replayed, no padding) on CPU, where the model fits it; the engine
     falls back to the dynamic eager path where it does not. The padded static forward and inductor measured
-    no faster than the dynamic path with packed linears on an AVX2 host (docs/performance.md), inductor at
+    no faster than the dynamic path with packed linears on an AVX2 host (docs/performance_log.md), inductor at
     about a minute of compilation per bucket: ask for them explicitly.
     """
     if enforce_eager:
@@ -80,7 +58,7 @@ def resolve_mode(mode: str, enforce_eager: bool, device: torch.device) -> str | 
     return mode
 
 
-class DecodeGraphRunner:
+class DecodeBuckets:
     """Static buffers, buckets and one replayable forward per (bucket, query length).
 
     Args:
@@ -91,12 +69,12 @@ class DecodeGraphRunner:
         buckets: Sequence counts to pad to (increasing).
         max_query_len: Largest query length per sequence served (1 + the most drafts per step).
         max_model_len: Longest sequence (block-table width; ``max_seqlen_k`` of the CUDA kernels).
-        backend: The attention backend name put in the metadata.
+        block_tables: The model runner's persistent block tables (the step's rows are copied from them).
     """
 
     def __init__(
         self, model: torch.nn.Module, kv_caches, block_size: int, mode: str, buckets: Sequence[int],
-        max_query_len: int, max_model_len: int, backend: str,
+        max_query_len: int, max_model_len: int, block_tables: BlockTables,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -105,7 +83,8 @@ class DecodeGraphRunner:
         self.buckets = tuple(buckets)
         self.max_query_len = max_query_len
         self.max_model_len = max_model_len
-        self.backend = backend
+        self.tables = block_tables
+        self.attention = StaticStepAttention()
         device = kv_caches[0][0].device
         self.device = device
         max_seqs = self.buckets[-1]
@@ -134,6 +113,9 @@ class DecodeGraphRunner:
                 return b
         return None
 
+    def accepts(self, scheduled: list[ScheduledSequence]) -> bool:
+        return self.plan(scheduled) is not None
+
     def plan(self, scheduled: list[ScheduledSequence]) -> tuple[int, int] | None:
         """(bucket, query length) when this step is a uniform decode step the buckets cover, else None."""
         if self.disabled_reason is not None or not scheduled:
@@ -151,10 +133,8 @@ class DecodeGraphRunner:
     # -- one step ----------------------------------------------------------------------------------
     def fill(self, scheduled: list[ScheduledSequence], bucket: int, q: int) -> None:
         """Copy the step into the persistent buffers; rows past the real ones become padding."""
-        from hf_paged.runner import pack_step
-
         n = len(scheduled)
-        ids, positions, slots, tables, seq_lens, _cu, _rows = pack_step(scheduled, self.block_size)
+        ids, positions, slots, seq_lens, _cu, _rows = pack_step(scheduled, self.tables.lists, self.block_size)
         tokens, padded = n * q, bucket * q
         dev = self.device
         self.input_ids[0, :tokens].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
@@ -163,19 +143,25 @@ class DecodeGraphRunner:
         self.input_ids[0, tokens:padded].zero_()
         self.positions[0, tokens:padded].zero_()
         self.slot_mapping[tokens:padded].fill_(-1)
-        width = max(len(t) for t in tables)
-        host = torch.zeros(bucket, self.block_tables.shape[1], dtype=torch.int32)
-        host[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        self.block_tables[:bucket].copy_(host.to(dev, non_blocking=True))
+        width = min(self.block_tables.shape[1], max(len(self.tables.lists[item.seq_id]) for item in scheduled))
+        rows = self.tables.gather([item.seq_id for item in scheduled], width)
+        self.block_tables[:n, :width].copy_(rows.to(dev, non_blocking=True))
+        self.block_tables[:n, width:].zero_()
+        self.block_tables[n:bucket].zero_()
         lens = torch.zeros(bucket, dtype=torch.int32)
         lens[:n] = torch.tensor(seq_lens, dtype=torch.int32)
         self.seq_lens[:bucket].copy_(lens.to(dev, non_blocking=True))
         self.cu_seqlens_q[: bucket + 1].copy_(torch.arange(0, padded + 1, q, dtype=torch.int32).to(dev))
         graph_ops.new_step()
 
-    def run(self, scheduled: list[ScheduledSequence], bucket: int, q: int) -> torch.Tensor | None:
-        """Logits ``[len(scheduled) * q, V]`` of every real query token (a sequence's rows are consecutive),
-        or None when this bucket cannot be built (the runner is then disabled, with one warning)."""
+    def run(self, step) -> torch.Tensor | None:
+        """Logits ``[len(scheduled) * q, V]`` of every real query token (a sequence's rows are consecutive: all
+        of them are sampled rows), or None when the step has no bucket or this bucket cannot be built (the
+        buckets are then disabled, with one warning)."""
+        planned = self.plan(step.scheduled)
+        if planned is None:
+            return None
+        scheduled, (bucket, q) = step.scheduled, planned
         self.fill(scheduled, bucket, q)
         key = (bucket, q)
         fn = self.graphs.get(key)
@@ -258,15 +244,14 @@ class DecodeGraphRunner:
         return replay
 
 
-def _dynamic_forward(runner: DecodeGraphRunner):
+def _dynamic_forward(runner: DecodeBuckets):
     """One function for every bucket (torch.compile specializes it per input shape)."""
 
     def forward(input_ids, positions, slot_mapping, block_tables, seq_lens, cu_seqlens_q):
         q = input_ids.shape[1] // block_tables.shape[0]
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
-            max_seqlen_q=q, max_seqlen_k=runner.max_model_len, kv_caches=runner.kv_caches, backend=runner.backend,
-            has_padding=True, static=True,
+            max_seqlen_q=q, max_seqlen_k=runner.max_model_len, kv_caches=runner.kv_caches, impl=runner.attention,
         )
         with engine_forward():
             out = runner.model(input_ids=input_ids, position_ids=positions, attention_mask=runner.no_mask,
