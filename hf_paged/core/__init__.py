@@ -1,1 +1,1 @@
-"""Scheduling layer: pure Python, no torch (see DESIGN.md section 1)."""
+"""Scheduling layer: pure Python, no torch (docs/architecture.md)."""

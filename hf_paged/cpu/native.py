@@ -19,6 +19,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from hf_paged.env import cache_dir
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -69,8 +71,6 @@ class NativeLibrary:
         self._lock = threading.Lock()
 
     def _build(self, cc: str) -> Path:
-        from hf_paged.env import cache_dir
-
         src = self.source.read_bytes()
         key = hashlib.sha1(src + " ".join([cc, *self.flags, _cpu_key()]).encode()).hexdigest()[:16]
         target = cache_dir() / "kernels" / f"{self.source.stem}-{key}.so"

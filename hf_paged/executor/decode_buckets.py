@@ -29,6 +29,7 @@ from hf_paged.attention_backends import StaticStepAttention
 from hf_paged.core.scheduler_output import ScheduledSequence
 from hf_paged.executor.input_batch import BlockTables, pack_step
 from hf_paged.config import DECODE_MODES as MODES, check_buckets, default_buckets  # noqa: F401 - re-exported
+from hf_paged.env import cache_dir
 from hf_paged.kernels import graph_ops
 
 logger = logging.getLogger(__name__)
@@ -268,8 +269,6 @@ def configure_inductor(num_shapes: int) -> None:
     here, bypasses the on-disk cache, and would serve stale weights after a training step."""
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
-
-    from hf_paged.env import cache_dir
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     inductor_config.freezing = False

@@ -16,6 +16,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
+from hf_paged.cache import CACHE_KWARG, PagedCache
+from hf_paged.hf.generate_beam import beam_generate
 from hf_paged.outputs import RequestOutput
 from hf_paged.sampling_params import SamplingParams
 
@@ -98,8 +100,6 @@ def paged_generate(
     if max_new <= 0:
         return _fallback(self, [f"no room for new tokens (max_new_tokens={max_new})"], stock_args, gen_cfg)
     if (gen_cfg.num_beams or 1) > 1:
-        from hf_paged.hf.generate_beam import beam_generate
-
         return beam_generate(self.paged, gen_cfg, _prompts(gen_cfg, model_kwargs, input_ids), input_ids, max_new,
                              _min_new(gen_cfg, width))
     engine = self.paged
@@ -170,8 +170,6 @@ def _fallback(model, reasons: list[str], stock_args: dict, gen_cfg: GenerationCo
         + (" with a PagedCache" if use_cache else "") + " instead.",
     )
     if use_cache:
-        from hf_paged.cache import CACHE_KWARG, PagedCache
-
         for name in ("cache", "past_key_values"):
             stock_args.pop(name, None)
         stock_args[CACHE_KWARG] = PagedCache(model)

@@ -43,9 +43,9 @@ def wrap(model: torch.nn.Module, tokenizer=None, **engine_config) -> torch.nn.Mo
         warnings.warn("hf_paged.wrap: this model is already wrapped; nothing changed", stacklevel=2)
         return model
     engine = PagedGenerator(model, tokenizer, **engine_config)
-    from hf_paged.hf.pipeline import install  # noqa: PLC0415  (that module imports this one)
+    from hf_paged.hf import pipeline_patch  # transformers.pipelines costs ~4 s to import: only once a model is wrapped
 
-    install()
+    pipeline_patch.install(is_wrapped)
     model.__dict__[_STATE] = _WrapState(engine, model.__dict__.get("generate"))
     model.__dict__["paged"] = engine
     model.__dict__["generate"] = types.MethodType(paged_generate, model)
@@ -59,9 +59,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         warnings.warn("hf_paged.unwrap: this model is not wrapped; nothing changed", stacklevel=2)
         return model
     state.engine.close()
-    from hf_paged.hf.pipeline import uninstall  # noqa: PLC0415  (that module imports this one)
+    from hf_paged.hf import pipeline_patch
 
-    uninstall()
+    pipeline_patch.uninstall()
     model.__dict__.pop("paged", None)
     if state.own_generate is not None:
         model.__dict__["generate"] = state.own_generate

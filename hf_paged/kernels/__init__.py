@@ -1,11 +1,11 @@
-"""Paged KV ops, dispatched on device: ``store_kv`` and ``paged_attention`` (DESIGN.md section 4).
+"""Paged KV ops, dispatched on device: ``store_kv`` and ``paged_attention`` (docs/architecture.md, docs/cpu.md).
 
 ``backend``:
 - "auto": Triton for CUDA tensors; on CPU "cpu" when the native kernel builds and passes its probe for
   the cache dtype here, else "torch".
 - "torch": vectorized torch (gather + SDPA per group of sequences); runs anywhere.
 - "cpu": the torch path, with short queries (decode, speculative verification) computed by a native C
-  kernel that reads the pool in place (``cpu_attention.py``).
+  kernel that reads the pool in place (``hf_paged/cpu/attention.py``).
 - "triton": the Triton kernels (on CPU only under ``TRITON_INTERPRET=1``).
 """
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from hf_paged.cpu.attention import paged_attention_native
+
 
 def store_kv_torch(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -226,8 +228,6 @@ def paged_attention_torch(
     T, H, D = query.shape
     out = None
     if plan.native_seq_ids is not None:
-        from hf_paged.cpu.attention import paged_attention_native
-
         out = query.new_empty(T, H, D)
         paged_attention_native(
             query, k_cache, v_cache, plan.block_tables_i32, plan.seq_lens_i32, plan.cu_seqlens_q_i32,
