@@ -289,13 +289,13 @@ class PagedGenerator(GeneratorClients):
         message = f"engine step failed: {type(error).__name__}: {error}"
         failed = []
         for seq_id in [s.seq_id for s in out.scheduled] + out.preempted_seq_ids + out.swapped_in_seq_ids:
-            request = self.scheduler.requests.get(seq_id)
+            request = self.scheduler.sequences.get(seq_id)
             if request is None or (seq_id in out.preempted_seq_ids and request.status is not SequenceStatus.SWAPPED):
                 continue  # recompute victims lost nothing
             self.scheduler.finish_request(seq_id, SequenceStatus.FINISHED_ERROR, message)
             failed.append(request)
         for search in list(self._beam_searches):
-            if any(seq_id not in self.scheduler.requests for row in search.running for seq_id in row):
+            if any(seq_id not in self.scheduler.sequences for row in search.running for seq_id in row):
                 search.error = message
                 self._abort_beam_search(search)
         return self.outputs.process(failed)

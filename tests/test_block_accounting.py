@@ -113,16 +113,16 @@ class BlockAccounting(RuleBasedStateMachine):
         except ValueError:
             pass  # cannot fit this pool: rejected before any change
 
-    @precondition(lambda self: self.sched.requests)
+    @precondition(lambda self: self.sched.sequences)
     @rule(data=st.data())
     def abort(self, data):
         OPS["count"] += 1
-        seq_id = data.draw(st.sampled_from(sorted(self.sched.requests)))
-        request_id = self.sched.requests[seq_id].request_id
-        for s in [r for r in self.sched.requests.values() if r.request_id == request_id]:
+        seq_id = data.draw(st.sampled_from(sorted(self.sched.sequences)))
+        request_id = self.sched.sequences[seq_id].request_id
+        for s in [r for r in self.sched.sequences.values() if r.request_id == request_id]:
             assert self.sched.abort_request(s.seq_id) is s
 
-    @precondition(lambda self: self.sched.requests)
+    @precondition(lambda self: self.sched.sequences)
     @rule()
     def step(self):
         OPS["count"] += 1
@@ -130,7 +130,7 @@ class BlockAccounting(RuleBasedStateMachine):
         out = self.sched.schedule()
         OPS["copies"] += len(out.block_copies)
         for seq_id in out.preempted_seq_ids:
-            request = self.sched.requests[seq_id]
+            request = self.sched.sequences[seq_id]
             OPS["preempt"]["swap" if request.status is SequenceStatus.SWAPPED else "recompute"] += 1
         result = self.runner.execute(out)
         for item in out.scheduled:  # the tables rebuilt from diffs are the scheduler's, entry for entry
@@ -156,7 +156,7 @@ class BlockAccounting(RuleBasedStateMachine):
             return
         self.sched.check_consistency()
         bs = self.kv.block_size
-        for request in self.sched.requests.values():
+        for request in self.sched.sequences.values():
             table = self.kv.tables.get(request.seq_id) or self.kv.host_tables.get(request.seq_id) or []
             pool = self.runner.dev if request.seq_id in self.kv.tables else self.runner.host
             for p in range(request.num_computed_tokens):
@@ -171,7 +171,7 @@ class BlockAccounting(RuleBasedStateMachine):
 
     def teardown(self):
         if hasattr(self, "sched"):
-            for seq_id in list(self.sched.requests):
+            for seq_id in list(self.sched.sequences):
                 self.sched.abort_request(seq_id)
             self.sched.check_consistency()
             assert self.kv.num_free_blocks == self.kv.num_blocks

@@ -45,7 +45,7 @@ def run_step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
 
 def sched_view(sched, out):
     """(request id, start, new tokens, sample) of each scheduled sequence."""
-    rid = {r.seq_id: r.request_id for r in [*sched.requests.values()]}
+    rid = {r.seq_id: r.request_id for r in [*sched.sequences.values()]}
     return [(rid.get(s.seq_id, s.seq_id), s.start, s.num_new_tokens, s.sample) for s in out.scheduled]
 
 
@@ -220,7 +220,7 @@ def test_auto_preemption_swaps_samples_of_a_group_and_recomputes_singles():
             break
         out = run_step(sched)
         for seq_id in out.preempted_seq_ids:
-            victim = sched.requests[seq_id]
+            victim = sched.sequences[seq_id]
             modes[victim.request_id].add(victim.status)
     assert modes["g"] <= {SequenceStatus.SWAPPED} and modes["s"] <= {SequenceStatus.PREEMPTED}
     assert modes["g"] or modes["s"]  # the pool really ran out
@@ -237,7 +237,7 @@ def test_request_that_cannot_fit_is_rejected():
         sched.add_request(make_request("empty", 0))
     ok = make_request("ok", 4, max_tokens=5)
     sched.add_request(ok)
-    assert list(sched.requests) == [ok.seq_id]
+    assert list(sched.sequences) == [ok.seq_id]
 
 
 def test_stop_conditions():
@@ -301,9 +301,9 @@ def test_random_add_abort_step_never_leaks(seed):
         else:
             out = sched.schedule()
             sched.update(out, sample_all(out, rng.randint(0, 3)))
-        live = [sid for sid in live if sid in sched.requests]
+        live = [sid for sid in live if sid in sched.sequences]
         sched.check_consistency()
-    for rid in list(sched.requests):
+    for rid in list(sched.sequences):
         sched.abort_request(rid)
     sched.check_consistency()
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
@@ -353,7 +353,7 @@ def test_n_samples_prefill_once_then_fork_and_share_blocks():
     result = ModelRunnerOutput({r.seq_id: [10], 1: [11], 2: [12]})
     changed = sched.update(out, result)
     assert sorted((c.index, c.output_token_ids) for c in changed) == [(0, [10]), (1, [11]), (2, [12])]
-    kids = [sched.requests[1], sched.requests[2]]
+    kids = [sched.sequences[1], sched.sequences[2]]
     assert all(k.request_id == "r" and blocks(sched, k) == [0, 1] for k in kids)
     assert [b.ref_cnt for b in sched.kv.pool.blocks[:2]] == [3, 3]
     out = sched.schedule()  # each sample writes token 6 into the shared partial block 1: two copies

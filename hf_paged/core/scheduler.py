@@ -77,7 +77,7 @@ class Scheduler(SchedulerUpdate):
         self.waiting = WaitingQueue(scheduling_policy)
         self.running: list[Sequence] = []  # in scheduling order
         self.swapped: list[Sequence] = []  # in scheduling order
-        self.requests: dict[int, Sequence] = {}  # seq_id -> every live sequence
+        self.sequences: dict[int, Sequence] = {}  # seq_id -> every live sequence
         self._seq_ids = itertools.count()
         self._known: set[int] = set()  # sequences the runner has state for
         self._finished_since_schedule: list[int] = []
@@ -125,10 +125,10 @@ class Scheduler(SchedulerUpdate):
         self.check_request(request)
         if request.seq_id is None:
             request.seq_id = self.next_seq_id()
-        assert request.seq_id not in self.requests, f"sequence {request.seq_id} is already live"
+        assert request.seq_id not in self.sequences, f"sequence {request.seq_id} is already live"
         request.status = SequenceStatus.WAITING
         request.max_model_len = self.max_model_len
-        self.requests[request.seq_id] = request
+        self.sequences[request.seq_id] = request
         self.waiting.push(request)
 
     def abort_request(self, seq_id: int) -> Sequence | None:
@@ -139,7 +139,7 @@ class Scheduler(SchedulerUpdate):
         """Finish a live sequence with ``status`` (a stop string, an error with its message, an abort) and free
         its blocks; None if it is unknown or already finished."""
         assert status.finished, f"{status} is not a finished status"
-        request = self.requests.get(seq_id)
+        request = self.sequences.get(seq_id)
         if request is None:
             return None
         if error is not None:
@@ -149,11 +149,11 @@ class Scheduler(SchedulerUpdate):
         return request
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.sequences)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.requests)
+        return len(self.sequences)
 
     # -- the step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -347,7 +347,7 @@ class Scheduler(SchedulerUpdate):
         self.kv.free(request.seq_id)
         request.status = status
         request.finish_time = time.time() if now is None else now
-        del self.requests[request.seq_id]
+        del self.sequences[request.seq_id]
         if request.seq_id in self._known:
             self._known.discard(request.seq_id)
             self._finished_since_schedule.append(request.seq_id)
@@ -358,8 +358,8 @@ class Scheduler(SchedulerUpdate):
         running = {r.seq_id for r in self.running}
         swapped = {r.seq_id for r in self.swapped}
         waiting = {r.seq_id for r in self.waiting}
-        assert len(running) + len(swapped) + len(waiting) == len(self.requests), "a sequence is queued twice"
-        assert running | swapped | waiting == set(self.requests), "queued sequences differ from the live ones"
+        assert len(running) + len(swapped) + len(waiting) == len(self.sequences), "a sequence is queued twice"
+        assert running | swapped | waiting == set(self.sequences), "queued sequences differ from the live ones"
         assert set(self.kv.tables) <= running, "a sequence holds device blocks while not running"
         assert set(self.kv.host_tables) == swapped, "swapped sequences and host tables differ"
         for r in self.running:

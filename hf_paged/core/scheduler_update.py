@@ -28,7 +28,7 @@ class SchedulerUpdate:
         now = time.time()
         changed: list[Sequence] = []
         for item in out.scheduled:
-            request = self.requests.get(item.seq_id)
+            request = self.sequences.get(item.seq_id)
             if request is None or request.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             tokens = result.sampled_token_ids.get(item.seq_id)
@@ -75,11 +75,11 @@ class SchedulerUpdate:
         """Forks first (a fork copies its parent before the parent's own new token), then frees, then tokens."""
         for parent, _, child, index in update.continues:
             if child is not None:
-                self.fork_sequence(self.requests[parent], index, child)
+                self.fork_sequence(self.sequences[parent], index, child)
         for seq_id in update.frees:
             self.abort_request(seq_id)
         for parent, token, child, _ in update.continues:
-            beam = self.requests[parent if child is None else child]
+            beam = self.sequences[parent if child is None else child]
             self.append_tokens(beam, [token])
             if beam.status is SequenceStatus.FINISHED_LENGTH:
                 raise RuntimeError(f"beam {beam.seq_id} was finished by the scheduler (a bug: please report)")
@@ -97,7 +97,7 @@ class SchedulerUpdate:
     def fork_sequence(self, parent: Sequence, index: int, seq_id: int | None = None) -> Sequence:
         """A sibling of ``parent`` sharing its blocks (copy-on-write), behind it in scheduling order."""
         child = parent.fork(self.next_seq_id() if seq_id is None else seq_id, index)
-        self.requests[child.seq_id] = child
+        self.sequences[child.seq_id] = child
         if parent.seq_id in self.kv.tables:
             self.kv.fork(parent.seq_id, child.seq_id)
             child.status = SequenceStatus.RUNNING

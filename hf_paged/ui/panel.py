@@ -48,7 +48,7 @@ def take_snapshot(engine) -> PoolSnapshot:
     owners: list[list[str]] = [[] for _ in blocks]
     per_request: dict[str, RequestInfo] = {}
     for seq_id, table in kv.tables.items():
-        request = sched.requests.get(seq_id)
+        request = sched.sequences.get(seq_id)
         rid = request.request_id if request is not None else f"seq {seq_id}"
         for block in table:
             if rid not in owners[block.block_id]:
@@ -60,7 +60,7 @@ def take_snapshot(engine) -> PoolSnapshot:
             info.num_output_tokens = max(info.num_output_tokens, request.num_output_tokens)
     for rid, info in per_request.items():
         info.num_blocks = sum(rid in o for o in owners)
-    for request in sched.requests.values():  # waiting ones hold no blocks yet
+    for request in sched.sequences.values():  # waiting ones hold no blocks yet
         if request.request_id not in per_request:
             per_request[request.request_id] = RequestInfo(
                 request.request_id, request.status.value, request.num_prompt_tokens, request.num_output_tokens, 0)
