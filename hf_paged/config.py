@@ -79,7 +79,8 @@ class EngineConfig:
         fuse_layers: Fused CPU forward for Llama, Mistral and Qwen2 decoder layers (RMSNorm, rotary, SiLU-mul
             and residual adds in C, attention without transposes; same math, rounded like transformers').
             None: on for CPU models where it applies and its kernels build and pass their probe; True: on
-            (error if nothing can be fused here); False: transformers' layer code.
+            (error if nothing can be fused here); False: this engine installs no fused forward (the patch
+            belongs to the model: while another engine on the same model holds it, every engine forward takes it).
         enforce_eager: Run every step eagerly on exact shapes: no decode buckets, CUDA graphs or compilation.
         decode_runner: How decode steps (every sequence adds 1 token, or 1 + k when verifying drafts) run
             when not ``enforce_eager``: "auto" (CUDA graphs on CUDA; on CPU the native decode program where

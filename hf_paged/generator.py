@@ -57,11 +57,17 @@ class PagedGenerator(GeneratorClients):
         self.executor: Executor = UniProcExecutor(model, cfg)
         self.max_model_len = self.executor.max_model_len
         try:
-            if cfg.speculative_config is not None:
-                self._spec_settings(cfg.speculative_config)  # build the default proposer now: errors at start
+            self._build(model, tokenizer, cfg)
         except BaseException:
-            self.executor.close()
+            self.executor.close()  # a failure halfway gives the model back at once
             raise
+        self._weights_seen: int | None = None
+        self._closed = False
+
+    def _build(self, model: torch.nn.Module, tokenizer, cfg: EngineConfig) -> None:
+        """The engine's own parts (over the executor): block manager, scheduler, outputs."""
+        if cfg.speculative_config is not None:
+            self._spec_settings(cfg.speculative_config)  # build the default proposer now: errors at start
         self.kv_manager = KVCacheManager(
             self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.executor.num_host_blocks
         )
@@ -78,8 +84,6 @@ class PagedGenerator(GeneratorClients):
         self._beam_searches: list[BeamSearch] = []
         self.num_steps = 0
         self._finished_states = self.outputs.finished_queues  # finished requests whose queue is not read yet
-        self._weights_seen: int | None = None
-        self._closed = False
 
     # -- what the execution layer chose (read-only views) ---------------------------------------------
     @property

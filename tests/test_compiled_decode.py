@@ -1,4 +1,4 @@
-"""Bucketed static-shape decode (hf_paged/decode_runner.py): buckets, padding, persistent buffers, the
+"""Bucketed static-shape decode (hf_paged/executor/decode_buckets.py): buckets, padding, persistent buffers, the
 "static" eager replay that CUDA graphs and inductor share, inductor on CPU, and CUDA graphs (gpu marker)."""
 
 import logging

@@ -13,7 +13,7 @@ filled last block is ever copied.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Protocol
 
 from hf_paged.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
@@ -78,6 +78,7 @@ class KVCacheManager:
         self.hashes: dict[SeqId, list[BlockHash]] = {}  # hashes of each sequence's full computed blocks
         # table entries the model runner holds as they are (diffs, :meth:`take_table_diff`); absent = none
         self._sent: dict[SeqId, int] = {}
+        self._pending: dict[SeqId, int] = {}  # entries sent in the step in flight, until :meth:`commit_table_diffs`
         self.copies: BlockCopies = []  # pending copy-on-write copies, applied by the owner of the tensors
         self.uncacheable: set[SeqId] = set()  # sequences whose blocks must not enter the prefix cache
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -112,17 +113,33 @@ class KVCacheManager:
         return [b.block_id for b in self.tables.get(seq_id, ())]
 
     def take_table_diff(self, seq_id: SeqId) -> tuple[int, list[int]]:
-        """``(start, block_ids)``: what changed in the sequence's block table since the last call. The model
-        runner keeps its copy of the table: it drops the entries from ``start`` on and appends ``block_ids``.
-        Costs the changed entries only, so a step's host work does not grow with context length."""
+        """``(start, block_ids)``: what changed in the sequence's block table since the last committed diff. The
+        model runner keeps its copy of the table: it drops the entries from ``start`` on and appends
+        ``block_ids``. Costs the changed entries only, so a step's host work does not grow with context length.
+
+        Two-phase: the diff counts as delivered only once :meth:`commit_table_diffs` says the step ran; a step
+        that never reached the runner is sent again from the same ``start`` (applying a diff twice is harmless).
+        """
         table = self.tables.get(seq_id, ())
         start = min(self._sent.get(seq_id, 0), len(table))
-        self._sent[seq_id] = len(table)
+        self._pending[seq_id] = len(table)
         return start, [b.block_id for b in table[start:]]
 
+    def commit_table_diffs(self, seq_ids: Iterable[SeqId]) -> None:
+        """The runner applied these sequences' diffs of the last :meth:`take_table_diff` (the step ran)."""
+        for seq_id in seq_ids:
+            sent = self._pending.pop(seq_id, None)
+            if sent is not None:
+                self._sent[seq_id] = sent
+
     def _changed_from(self, seq_id: SeqId, index: int) -> None:
-        if self._sent.get(seq_id, 0) > index:
-            self._sent[seq_id] = index
+        for held in (self._sent, self._pending):
+            if held.get(seq_id, 0) > index:
+                held[seq_id] = index
+
+    def _forget_sent(self, seq_id: SeqId) -> None:
+        self._sent.pop(seq_id, None)
+        self._pending.pop(seq_id, None)
 
     def num_allocated_slots(self) -> int:
         return self.pool.num_used_blocks * self.block_size
@@ -326,7 +343,7 @@ class KVCacheManager:
         """Release every block of the sequence (device or host); the tail goes first, so a prefix it shares
         with others stays cached longest."""
         table = self.tables.pop(seq_id, None)
-        self._sent.pop(seq_id, None)
+        self._forget_sent(seq_id)
         if table:
             self.pool.free_blocks(reversed(table))
         host = self.host_tables.pop(seq_id, None)
@@ -343,7 +360,7 @@ class KVCacheManager:
         """Move the sequence's KV to host blocks; returns the ``(device, host)`` copies to run before the
         device blocks are reused. Shared device blocks are copied too (the host copy is the sequence's own)."""
         table = self.tables.pop(seq_id)
-        self._sent.pop(seq_id, None)
+        self._forget_sent(seq_id)
         host = self.host_pool.get_new_blocks(len(table))
         self.host_tables[seq_id] = host
         pairs = [(d.block_id, h.block_id) for d, h in zip(table, host)]
@@ -362,7 +379,7 @@ class KVCacheManager:
             return None
         table = self.pool.get_new_blocks(len(host))
         self.tables[seq_id] = table
-        self._sent.pop(seq_id, None)
+        self._forget_sent(seq_id)
         del self.host_tables[seq_id]
         pairs = [(h.block_id, d.block_id) for h, d in zip(host, table)]
         self.host_pool.free_blocks(reversed(host))

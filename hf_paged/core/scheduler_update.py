@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from hf_paged.core.scheduler_output import BeamUpdate, ModelRunnerOutput
+from hf_paged.core.scheduler_output import BeamUpdate, ModelRunnerOutput, SchedulerOutput
 from hf_paged.sequence import Sequence, SequenceStatus
 
 
@@ -26,6 +26,7 @@ class SchedulerUpdate:
         Returns the sequences that received tokens, forked, or finished this step (beams are not reported).
         """
         now = time.time()
+        self.kv.commit_table_diffs(item.seq_id for item in out.scheduled)  # the step ran: its diffs are applied
         changed: list[Sequence] = []
         for item in out.scheduled:
             request = self.sequences.get(item.seq_id)

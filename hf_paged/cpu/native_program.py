@@ -100,11 +100,11 @@ class DecodeProgram:
         None where this step is not one the program runs (the eager forward serves it)."""
         inputs = step.inputs
         meta = inputs.metadata
-        step = getattr(meta.impl, "native", None)
+        native = getattr(meta.impl, "native", None)  # the step's NativeStep: every sequence native
         rows = inputs.input_ids.shape[1]
         index = inputs.logits_indices
         sampled = index.numel()  # the sampled rows are increasing and distinct: as many as rows is every row
-        if step is None or meta.kv_caches is not self.kv_caches or rows > self.max_rows or rows == 0:
+        if native is None or meta.kv_caches is not self.kv_caches or rows > self.max_rows or rows == 0:
             return None
         if rows > self.capacity or sampled > self.logits_capacity or not self._valid():
             if self._retry_in:  # the last recording failed: eager steps until the next try
@@ -127,10 +127,10 @@ class DecodeProgram:
         self._index = None if sampled == rows else index
         self._tokens.value = rows
         self._cos.value, self._sin.value = cos.data_ptr(), sin.data_ptr()
-        self._slots.value = step.slot_mapping.data_ptr()
+        self._slots.value = native.slot_mapping.data_ptr()
         (self._tables.value, self._table_stride.value, self._lens.value, self._cu.value, self._ids.value,
-         self._num_ids.value) = step.step_args
-        self._max_q.value = step.max_q
+         self._num_ids.value) = native.step_args
+        self._max_q.value = native.max_q
         gate_up = self._gate_up[:rows]
         self._act[:] = (gate_up[:, : self.intermediate], gate_up[:, self.intermediate :])
         for fn, args in self._ops if sampled else self._ops[:-1]:  # no sampled row: no LM head

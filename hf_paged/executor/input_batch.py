@@ -28,6 +28,11 @@ class BlockTables:
         """Keep the first ``block_ids_from`` entries of the sequence's table, then append ``new_block_ids``."""
         table = self.lists.setdefault(item.seq_id, [])
         start, new = item.block_ids_from, item.new_block_ids
+        if start > len(table):
+            raise RuntimeError(
+                f"block table diff of sequence {item.seq_id} starts at entry {start}, but the runner holds "
+                f"{len(table)} (a diff was lost: a bug, please report)"
+            )
         if start == len(table) and not new:
             return
         row = self._row(item.seq_id)

@@ -85,7 +85,8 @@ class ModelRunner:
         tables = self.block_tables.lists if persistent else tables
         ids, positions, slots, seq_lens, cu, sample_rows = pack_step(scheduled, tables, self.block_size)
         device = self.device
-        if persistent:
+        if persistent or all(tables[item.seq_id] is self.block_tables.lists.get(item.seq_id) for item in scheduled):
+            # the runner's own tables (a draft model's steps read them too): their rows, gathered in one copy
             width = max(len(tables[item.seq_id]) for item in scheduled)
             block_tables = self.block_tables.gather([item.seq_id for item in scheduled], width)
         else:

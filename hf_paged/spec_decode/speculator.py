@@ -60,7 +60,7 @@ class Speculator:
         return max(0, min(k, state.params.max_tokens - n_out - 1, max_model_len - num_tokens - 1))
 
     def propose(
-        self, states: Sequence, max_model_len: int, scheduled: Sequence = (), block_tables: Mapping | None = None,
+        self, states: Sequence, max_model_len: int, scheduled: Sequence, block_tables: Mapping[int, list[int]],
     ) -> dict[int, list[int]]:
         """Drafts for the next step of each sequence that just got tokens.
 
@@ -68,7 +68,6 @@ class Speculator:
         step on (a draft model would write its lookahead KV into the shared blocks).
         """
         self.step += 1
-        block_tables = {} if block_tables is None else block_tables
         tables = {item.seq_id: block_tables[item.seq_id] for item in scheduled if not item.fork_seq_ids}
         by_key: dict[str, list] = {}
         for state in states:
