@@ -206,6 +206,38 @@ def test_bounded_waiting_queue(model, prompts):
         loop.shutdown()
 
 
+def test_add_requests_is_all_or_none_and_a_repeated_abort_counts_once(model, prompts):
+    loop = AsyncPagedEngine(PagedGenerator(model, num_blocks=256, block_size=4, max_num_seqs=1), max_waiting_requests=3)
+    seen = []
+    loop.add_observer(lambda info: seen.extend(s.last.finish_reason for s in info.finished))
+    try:
+        block = threading.Event()
+        loop.call(lambda e: block.wait(10))
+        first = loop.add_request(prompts[0], LONG, request_id="first")
+        with pytest.raises(QueueFullError, match="3 requests cannot be queued at once"):
+            loop.add_requests(prompts[1:4], GREEDY)
+        with pytest.raises(ValueError, match="vocabulary"):
+            loop.add_requests([prompts[1], [10**6]], GREEDY)
+        with pytest.raises(ValueError, match="never fit"):
+            loop.add_requests(prompts[:4], GREEDY)
+        assert loop.num_live_requests == 1  # nothing of a refused batch was queued
+        assert loop.num_rejected == {"queue_full": 3, "engine_closed": 0}
+        # the same abort twice before the loop drains either: one abort, which the observers see
+        assert loop.abort("first") and loop.abort("first")
+        block.set()
+        assert first.result(30).finish_reason == "abort"
+        loop.call(lambda e: None).result(30)  # after the step's observers
+        assert seen == ["abort"] and loop.num_finished_by_reason["abort"] == 1
+        both = loop.add_requests(prompts[1:3], GREEDY, ["a", "b"])
+        assert [s.result(60).finish_reason for s in both] == ["length", "length"]
+    finally:
+        loop.shutdown()
+    with pytest.raises(EngineClosedError):
+        loop.add_requests(prompts[:2], GREEDY)
+    assert loop.num_rejected == {"queue_full": 3, "engine_closed": 2}
+    assert loop.num_finished_by_reason["abort"] == 1
+
+
 def test_idle_loop_sleeps_and_wakes_on_new_work(loop, prompts, alone):
     assert loop.generate(prompts[0], GREEDY).token_ids == alone[0]
     native = loop._thread.native_id

@@ -33,7 +33,7 @@ __all__ = ["AsyncPagedEngine", "EngineClosedError", "QueueFullError", "StepInfo"
 @dataclass
 class _Submission:
     stream: RequestStream
-    request: Any  # hf_paged.sequence.Request
+    request: Any  # hf_paged.sequence.Sequence
     state: Any  # hf_paged.output_processor.RequestState
 
 
@@ -79,10 +79,13 @@ class AsyncPagedEngine:
         self._observers: list[Callable[[StepInfo], None]] = []
         # loop thread only
         self._unscheduled: dict[str, RequestStream] = {}
+        self._ended: list[RequestStream] = []  # finished outside a step, not yet shown to the observers
         self._has_work = False
         self._failures = 0
         # read by anyone (replaced, never mutated)
         self.num_finished_by_reason: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}
+        # requests refused when submitted (never queued, so never finished): a full queue, a shut-down loop
+        self.num_rejected: dict[str, int] = {"queue_full": 0, "engine_closed": 0}
         self._throughput = ThroughputWindow()
         self.last_batch_size = 0
         self._thread = threading.Thread(target=self._run, name="hf-paged-engine-loop", daemon=True)
@@ -113,27 +116,50 @@ class AsyncPagedEngine:
             QueueFullError: ``max_waiting_requests`` requests are already waiting.
             EngineClosedError: After :meth:`shutdown`.
         """
-        self._check_open()
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-        self._check_capacity()
-        # Validation and tokenization run here, off the loop thread; they only read the engine's settings.
-        request, state = self.engine._make_request(
-            prompt, sampling_params, request_id, priority, speculative=speculative_config
-        )
-        params = request.sampling_params
-        hold = max((len(s) - 1 for s in params.stop or ()), default=0)
-        stream = RequestStream(request_id, state.prompt_token_ids, params.n, request.arrival_time, self.tokenizer,
-                               hold, self.abort, state.prompt)
+        return self.add_requests([prompt], sampling_params, None if request_id is None else [request_id], priority,
+                                 speculative_config)[0]
+
+    def add_requests(
+        self, prompts: list[Prompt], sampling_params: SamplingParams | None = None,
+        request_ids: list[str] | None = None, priority: int = 0, speculative_config: dict | None = None,
+    ) -> list[RequestStream]:
+        """Submit several requests at once, all or none: every one is checked first, and either all of them
+        are queued or (bad input, a full queue, shutdown) none is, so a refused batch leaves nothing to abort.
+        Arguments and errors as :meth:`add_request` (one id per prompt); a batch larger than
+        ``max_waiting_requests`` can never be queued and raises ``ValueError``."""
+        self._check_open(len(prompts))
+        if request_ids is None:
+            request_ids = [f"req-{next(self._ids)}" for _ in prompts]
+        if len(request_ids) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(request_ids)} request ids")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("request ids must be unique")
+        if len(prompts) > self.max_waiting_requests:
+            raise ValueError(f"{len(prompts)} requests at once can never fit the waiting queue "
+                             f"(max_waiting_requests={self.max_waiting_requests})")
+        self._check_capacity(len(prompts))
+        subs = []
+        for prompt, request_id in zip(prompts, request_ids):
+            # Validation and tokenization run here, off the loop thread; they only read the engine's settings.
+            request, state = self.engine._make_request(
+                prompt, sampling_params, request_id, priority, speculative=speculative_config
+            )
+            params = request.sampling_params
+            hold = max((len(s) - 1 for s in params.stop or ()), default=0)
+            stream = RequestStream(request_id, state.prompt_token_ids, params.n, request.arrival_time,
+                                   self.tokenizer, hold, self.abort, state.prompt)
+            subs.append(_Submission(stream, request, state))
         with self._cond:
-            self._check_open()
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._check_capacity()
-            self._streams[request_id] = stream
-            self._inbox.append(_Submission(stream, request, state))
+            self._check_open(len(subs))
+            for request_id in request_ids:
+                if request_id in self._streams:
+                    raise ValueError(f"request id {request_id!r} is already in use")
+            self._check_capacity(len(subs))
+            for sub in subs:
+                self._streams[sub.stream.request_id] = sub.stream
+                self._inbox.append(sub)
             self._cond.notify()
-        return stream
+        return [sub.stream for sub in subs]
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request from any thread; its stream ends with ``finish_reason="abort"`` and its
@@ -196,16 +222,26 @@ class AsyncPagedEngine:
         """Generated tokens per second over the last ``window`` seconds of steps (0 when idle)."""
         return self._throughput.rate(window)
 
-    def _check_open(self) -> None:
+    def _check_open(self, count: int = 0) -> None:
         if self._closing or self._stopped.is_set():
+            self._reject("engine_closed", count)
             raise EngineClosedError("the engine loop is shut down; no request can be added")
 
-    def _check_capacity(self) -> None:
-        if self.num_waiting >= self.max_waiting_requests:
+    def _check_capacity(self, count: int = 1) -> None:
+        waiting = self.num_waiting
+        if waiting + count > self.max_waiting_requests:
+            self._reject("queue_full", count)
+            wanted = "" if count == 1 else f"; {count} requests cannot be queued at once"
             raise QueueFullError(
-                f"the waiting queue is full ({self.num_waiting} requests waiting, "
-                f"max_waiting_requests={self.max_waiting_requests}); retry later"
+                f"the waiting queue is full ({waiting} requests waiting, "
+                f"max_waiting_requests={self.max_waiting_requests}{wanted}); retry later"
             )
+
+    def _reject(self, reason: str, count: int) -> None:
+        with self._cond:
+            counts = dict(self.num_rejected)
+            counts[reason] += count
+            self.num_rejected = counts
 
     # -- shutdown -----------------------------------------------------------------------------------
     def shutdown(self, timeout: float | None = 60.0) -> None:
@@ -245,6 +281,9 @@ class AsyncPagedEngine:
                     self._run_calls(calls)
                     if self.engine.has_unfinished_requests() or self.engine._pending:
                         self._step()
+                    elif self._ended:
+                        now = time.time()
+                        self._notify(StepInfo(now, now))
                     self._has_work = self.engine.has_unfinished_requests() or bool(self.engine._pending)
                 except Exception:  # noqa: BLE001 - the loop must survive anything; requests were failed already
                     logger.exception("engine loop iteration failed")
@@ -262,8 +301,11 @@ class AsyncPagedEngine:
             self._unscheduled[sub.stream.request_id] = sub.stream
 
     def _abort(self, aborts: list[str]) -> None:
-        for rid in aborts:
-            if not self.engine.abort(rid) and rid in self._streams:  # unknown to the engine: end it here
+        # An id may come several times (a reader cancelled and its handler aborting too): the first abort
+        # queues the engine's final output, which the next step hands to the stream and the observers; a
+        # second one must not end the stream here, before them.
+        for rid in dict.fromkeys(aborts):
+            if rid in self._streams and not self.engine.abort(rid):  # unknown to the engine: end it here
                 self._end(self._streams[rid], "abort")
 
     def _run_calls(self, calls) -> None:
@@ -314,6 +356,12 @@ class AsyncPagedEngine:
         self._throughput.record(end, sched.num_generated_tokens)
         with self._cond:
             self._num_engine_waiting = len(sched.waiting)
+        self._notify(info)
+
+    def _notify(self, info: StepInfo) -> None:
+        """Hand ``info`` to the observers, with the streams that ended outside a step since the last call."""
+        ended, self._ended = self._ended, []
+        info.finished.extend(ended)
         for observer in self._observers:
             try:
                 observer(info)
@@ -351,6 +399,7 @@ class AsyncPagedEngine:
         """Finish a stream the engine will not report on."""
         stream.finish(reason, error)
         self._forget(stream, stream.last)
+        self._ended.append(stream)
 
     def _forget(self, stream: RequestStream, out: RequestOutput | None) -> None:
         with self._cond:

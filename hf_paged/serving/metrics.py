@@ -149,6 +149,13 @@ class _EngineCollector:
                 PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.metrics.model_name], values.get(name, 0))
             yield family
+        rejected = CounterMetricFamily(
+            PREFIX + "requests_rejected", "Requests refused when submitted (HTTP 503), by reason: queue_full "
+            "(max_waiting_requests were waiting) or engine_closed; never counted as finished.",
+            labels=["model_name", "reason"])
+        for reason, count in self.metrics.engine.num_rejected.items():
+            rejected.add_metric([self.metrics.model_name, reason], count)
+        yield rejected
 
     def describe(self):
         return []

@@ -16,6 +16,7 @@ from typing import Any
 from hf_paged.sampling_params import MAX_SEED, SamplingParams
 
 MAX_LOGPROBS = 20
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a request body; OpenAI's requests need a handful
 
 
 class APIError(Exception):
@@ -44,6 +45,9 @@ class ServedModel:
     max_num_seqs: int
     aliases: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
+    # most prompts in one /v1/completions call; build_app caps it at the engine's waiting queue (a larger
+    # list could never be queued), which is also its default
+    max_prompts: int | None = None
 
     def accepts(self, name: str) -> bool:
         return name == self.name or name in self.aliases
@@ -136,8 +140,8 @@ def _common(body: dict, served: ServedModel) -> tuple[str, dict, bool, bool, int
     if not isinstance(model, str):
         raise APIError(f"model must be a string, got {model!r}", param="model")
     if not served.accepts(model):
-        raise APIError(f"The model {model!r} does not exist; this server serves {served.name!r}", param="model",
-                       code="model_not_found")
+        raise APIError(f"The model {model!r} does not exist; this server serves {served.name!r}", 404,
+                       param="model", code="model_not_found")
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise APIError(f"{name} is not supported by this engine (only 0); use repetition_penalty "
@@ -233,6 +237,10 @@ def _completion_prompts(prompt: Any, served: ServedModel) -> list[list[int]]:
     else:
         raise APIError(f"prompt must be a non-empty string, a list of strings, a list of token ids or a list of "
                        f"such lists, got {prompt!r}", param="prompt")
+    if served.max_prompts is not None and len(items) > served.max_prompts:
+        raise APIError(f"prompt is a list of {len(items)} prompts, more than the limit of {served.max_prompts} "
+                       f"prompts in one request on this server; send them in several requests", param="prompt",
+                       code="too_many_prompts")
     out = []
     for item in items:
         if isinstance(item, str):
@@ -319,6 +327,18 @@ def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages (e.g. the order of roles)
         raise APIError(f"the chat template rejected these messages: {e}", param="messages") from e
     return list(ids)
+
+
+def check_depth(body: Any, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse a body whose arrays and objects nest deeper than ``limit`` (without recursing)."""
+    stack = [(body, 1)] if isinstance(body, (dict, list)) else []
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value
+        if depth > limit:
+            raise APIError(f"the request body is nested too deeply: more than {limit} levels of arrays and objects",
+                           param="body")
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def _object(body: Any) -> dict:

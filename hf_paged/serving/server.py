@@ -7,6 +7,7 @@ that disconnects has its requests aborted, which frees their KV blocks. Needs ``
 
 # No ``from __future__ import annotations``: FastAPI reads the route signatures' annotations as objects.
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -16,14 +17,16 @@ from collections.abc import AsyncIterator
 from hf_paged.outputs import RequestOutput
 from hf_paged.serving.engine_loop import AsyncPagedEngine, EngineClosedError, QueueFullError
 from hf_paged.serving.protocol import (
-    APIError, ParsedRequest, ServedModel, chat_logprobs, completion_logprobs, new_id, parse_chat, parse_completion,
-    usage,
+    APIError, ParsedRequest, ServedModel, chat_logprobs, check_depth, completion_logprobs, new_id, parse_chat,
+    parse_completion, usage,
 )
 from hf_paged.serving.stream import RequestStream
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+# SamplingParams fields an engine error message may start with (longest first: "stop_token_ids" before "stop")
+_PARAM_FIELDS = ("stop_token_ids", "max_tokens", "min_tokens", "logprobs", "stop", "seed", "n")
 
 
 def _require():
@@ -43,9 +46,10 @@ def build_app(
 
     Args:
         engine: The running engine loop (the app does not shut it down).
-        served: The model's name (what ``model`` must be), tokenizer and limits.
+        served: The model's name (what ``model`` must be), tokenizer and limits. Its ``max_prompts`` (prompts in
+            one completions call) is capped at the engine's ``max_waiting_requests``, and is that by default.
         api_key: When set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>`` (401 otherwise).
-        max_body_bytes: Larger request bodies are refused with a 400.
+        max_body_bytes: Larger request bodies are refused with a 413.
         enable_metrics: Serve Prometheus metrics at ``/metrics``.
     """
     fastapi = _require()
@@ -54,6 +58,8 @@ def build_app(
 
     from hf_paged.serving.metrics import ServingMetrics
 
+    queue = engine.max_waiting_requests
+    served = dataclasses.replace(served, max_prompts=min(served.max_prompts or queue, queue))
     app = fastapi.FastAPI(title="hf_paged OpenAI-compatible server", docs_url=None, redoc_url=None)
     metrics = ServingMetrics(engine, served.name) if enable_metrics else None
     app.state.engine = engine
@@ -89,35 +95,38 @@ def build_app(
     async def read_json(request) -> object:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            raise APIError(f"the request body has {length} bytes, more than the limit of {max_body_bytes}",
-                           param="body")
+            raise APIError(f"the request body has {length} bytes, more than the limit of {max_body_bytes}", 413,
+                           param="body", code="request_too_large")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_body_bytes:
-                raise APIError(f"the request body is larger than the limit of {max_body_bytes} bytes", param="body")
+                raise APIError(f"the request body is larger than the limit of {max_body_bytes} bytes", 413,
+                               param="body", code="request_too_large")
             chunks.append(chunk)
         try:
-            return json.loads(b"".join(chunks))
+            body = json.loads(b"".join(chunks))
+        except RecursionError as e:  # the parser recursed past Python's limit
+            raise APIError("the request body is nested too deeply to parse", param="body") from e
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(f"the request body is not valid JSON: {e}", param="body") from e
+        check_depth(body)
+        return body
 
     def submit(parsed: ParsedRequest, rid: str) -> list[RequestStream]:
-        streams: list[RequestStream] = []
+        """Queue every prompt of the request, or none (a refused request leaves nothing to abort)."""
+        ids = [f"{rid}-{i}" for i in range(len(parsed.prompts))]
         try:
-            for i, prompt in enumerate(parsed.prompts):
-                streams.append(engine.add_request(prompt, parsed.params, f"{rid}-{i}", parsed.priority))
+            return engine.add_requests(parsed.prompts, parsed.params, ids, parsed.priority)
         except QueueFullError as e:
-            _abort_all(streams)
             raise APIError(str(e), 503, type="server_overloaded", code="queue_full") from e
         except EngineClosedError as e:
-            _abort_all(streams)
             raise APIError(str(e), 503, type="server_error", code="engine_closed") from e
-        except (ValueError, TypeError) as e:
-            _abort_all(streams)
-            field = "messages" if parsed.kind == "chat" else "prompt"
-            raise APIError(str(e), 400, param=field) from e
-        return streams
+        except (ValueError, TypeError) as e:  # the engine's own checks: name the field its message names
+            message = str(e)
+            field = next((f for f in _PARAM_FIELDS if message.startswith(f + " ") or message.startswith(f + "=")),
+                         "messages" if parsed.kind == "chat" else "prompt")
+            raise APIError(message, 400, param=field) from e
 
     async def handle(request, kind: str):
         check_key(request)
@@ -294,9 +303,17 @@ async def _until_disconnected(request, awaitable):
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
+        if watch.done() and not watch.cancelled():
+            watch.exception()
+        if not work.done():
+            work.cancel()
+        # Wait for the cancelled work to wind down (its readers abort their requests) and retrieve its outcome,
+        # so that asyncio never logs "exception was never retrieved" for it.
+        await asyncio.wait({work})
+        if not work.cancelled():
+            work.exception()
     if work in done:
         return work.result()
-    work.cancel()
     return None
 
 

@@ -53,6 +53,7 @@ class RequestStream:
         self._done = False  # the final output has arrived
         self._claimed = False
         self._read_final = False
+        self._abort_sent = False
         # Bookkeeping of the loop thread (metrics): when the request was first scheduled, its last token.
         self.scheduled_time: float | None = None
         self.last_token_time: float | None = None
@@ -88,7 +89,11 @@ class RequestStream:
         return self._done
 
     def abort(self) -> bool:
-        """Abort the request in the engine (its final item then has ``finish_reason="abort"``)."""
+        """Abort the request in the engine (its final item then has ``finish_reason="abort"``). Only the first
+        call asks the engine (later ones return False), so the request is aborted, and counted, once."""
+        if self._abort_sent or self._done:
+            return False
+        self._abort_sent = True
         return self._abort(self.request_id)
 
     def _claim(self) -> list[DeltaTracker]:
