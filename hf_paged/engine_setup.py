@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+
+_PROMPT_KINDS = "a str, a list of token ids, or a 1-D integer tensor or NumPy array"
+_BYTES = (bytes, bytearray, memoryview)
+
+
+def _bytes_error(what: str, value) -> TypeError:
+    shown = bytes(value)[:40]
+    return TypeError(
+        f"{what} must be {_PROMPT_KINDS}, got {type(value).__name__} ({shown!r}): decode it to a str "
+        "(text, tokenized by the engine's tokenizer) or pass token ids"
+    )
 
 
 def token_ids(prompt, tokenizer, vocab_size: int) -> tuple[list[int], str | None]:
@@ -14,23 +27,27 @@ def token_ids(prompt, tokenizer, vocab_size: int) -> tuple[list[int], str | None
             raise ValueError(f"a text prompt ({prompt[:40]!r}) needs a tokenizer: pass tokenizer= to the engine, or token ids")
         ids = tokenizer(prompt)["input_ids"]
         text: str | None = prompt
+    elif isinstance(prompt, _BYTES):  # a Sequence of ints, but never meant as token ids
+        raise _bytes_error("prompt", prompt)
     elif isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1 or prompt.is_floating_point() or prompt.dtype == torch.bool:
             raise TypeError(f"a tensor prompt must be 1-D integer token ids, got {prompt.dtype} {tuple(prompt.shape)}")
         ids, text = prompt.tolist(), None
-    elif isinstance(prompt, Sequence):
-        ids, text = list(prompt), None
-    elif hasattr(prompt, "__array__") and getattr(prompt, "ndim", None) == 1:  # a numpy array of token ids
-        if getattr(prompt.dtype, "kind", "i") not in "iu":
+    elif isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1:
+            raise TypeError(f"an array prompt must be 1-D integer token ids, got {prompt.dtype} {tuple(prompt.shape)}")
+        if prompt.dtype.kind not in "iu":
             raise TypeError(f"an array prompt must hold integer token ids, got dtype {prompt.dtype}")
         ids, text = prompt.tolist(), None
+    elif isinstance(prompt, Sequence):
+        ids, text = list(prompt), None
     else:
-        raise TypeError(f"prompt must be a str, a list of token ids or a 1-D tensor, got {type(prompt).__name__}")
+        raise TypeError(f"prompt must be {_PROMPT_KINDS}, got {type(prompt).__name__}")
     if not ids:
         raise ValueError(f"prompt {prompt!r} is empty (no tokens)")
     out = []
     for tok in ids:
-        if isinstance(tok, bool) or not hasattr(tok, "__index__"):
+        if isinstance(tok, (bool, np.bool_)) or not hasattr(tok, "__index__"):
             raise TypeError(f"token ids must be ints, got {tok!r} ({type(tok).__name__})")
         if isinstance(tok, torch.Tensor) and tok.dim() != 0:
             raise TypeError(f"token ids must be ints, got a tensor of shape {tuple(tok.shape)}")
@@ -55,16 +72,24 @@ def eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
+def _is_token_id(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def as_prompt_list(prompts) -> list:
-    if isinstance(prompts, (str, torch.Tensor)):
-        return [prompts]
+    """Prompts as a list: a str, a 1-D tensor or NumPy array, or a list of token ids is one prompt; a list of
+    those is several."""
+    if isinstance(prompts, (str, torch.Tensor, np.ndarray)):
+        return [prompts]  # a 2-D tensor or array is refused by token_ids, naming its shape
+    if isinstance(prompts, _BYTES):
+        raise _bytes_error("prompts", prompts)
     if isinstance(prompts, Sequence):
         if not prompts:
             raise ValueError("prompts is empty")
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        if all(_is_token_id(p) for p in prompts):
             return [list(prompts)]  # one prompt of token ids
         return list(prompts)
-    raise TypeError(f"prompts must be a str, a list of str, or token ids, got {type(prompts).__name__}")
+    raise TypeError(f"prompts must be {_PROMPT_KINDS}, or a list of those, got {type(prompts).__name__}")
 
 
 def per_prompt(value, n: int, what: str) -> list:

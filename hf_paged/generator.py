@@ -118,11 +118,12 @@ class PagedGenerator(GeneratorClients):
         return_scores: bool = False,
         queue_outputs: bool = False,
         speculative_config: SpeculativeConfig | dict | None = None,
+        stop_at_context: bool = False,
     ) -> str:
         """Queue one request; returns its id. Bad input raises ValueError/TypeError and changes nothing.
 
         Args:
-            prompt: Text (needs a tokenizer), a list of token ids, or a 1-D integer tensor.
+            prompt: Text (needs a tokenizer), a list of token ids, or a 1-D integer tensor or NumPy array.
             sampling_params: How to sample (``SamplingParams()`` by default).
             request_id: Your id for it (unique among live requests); a fresh one by default.
             priority: With ``scheduling_policy="priority"``, lower values run first (vLLM's convention).
@@ -133,16 +134,22 @@ class PagedGenerator(GeneratorClients):
                 :meth:`next_output`, whichever thread runs the steps that produce them.
             speculative_config: Speculate for this request with these settings instead of the engine's
                 (same keys as the engine's ``speculative_config``).
+            stop_at_context: Accept ``max_tokens`` past the context: the request stops at ``max_model_len``
+                tokens (``finish_reason="length"``) instead of raising ValueError, as HF ``generate`` does with
+                ``max_new_tokens``. By default a prompt + ``max_tokens`` over ``max_model_len`` is refused, as
+                the server refuses it.
         """
         with self._lock:
             request, state = self._make_request(
-                prompt, sampling_params, request_id, priority, tokenizer, return_scores, speculative_config
+                prompt, sampling_params, request_id, priority, tokenizer, return_scores, speculative_config,
+                stop_at_context,
             )
             self._admit(request, state, queue_outputs)
             return request.request_id
 
     def _make_request(
         self, prompt, sampling_params, request_id, priority, tokenizer=None, return_scores=False, speculative=None,
+        stop_at_context=False,
     ) -> tuple[Sequence, RequestState]:
         """Validate one request (raising ValueError/TypeError) without admitting it."""
         self._check_usable()
@@ -155,6 +162,8 @@ class PagedGenerator(GeneratorClients):
         rid = str(next(self._ids)) if request_id is None else request_id
         if not isinstance(rid, str):
             raise TypeError(f"request_id must be a str, got {rid!r}")
+        if not rid:
+            raise ValueError("request_id must be a non-empty str, got ''")
         if rid in self.outputs.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         if params.stop and (tokenizer or self.tokenizer) is None:
@@ -169,11 +178,23 @@ class PagedGenerator(GeneratorClients):
                 self._spec_settings(spec)
             )
         self.scheduler.check_request(request)
+        if not stop_at_context:
+            self._check_context(len(ids), params.max_tokens)
         state = RequestState(rid, text, request.prompt_token_ids, params.n, request.arrival_time, tokenizer)
         if return_scores:
             request.scores = []
             state.scores = {}
         return request, state
+
+    def _check_context(self, prompt_len: int, max_tokens: int) -> None:
+        """The server's rule (a 400 there): prompt + max_tokens must fit in max_model_len."""
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ValueError(f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        if max_tokens > room:
+            raise ValueError(f"max_tokens={max_tokens} is too large: the prompt has {prompt_len} tokens and "
+                             f"max_model_len is {self.max_model_len}, so at most {room} new tokens fit")
 
     def _spec_settings(self, spec: SpeculativeConfig) -> tuple[str, int, int, int | None]:
         """(proposer key, k, lookahead slots, batch limit) for a configuration; its proposer is made once."""
@@ -315,7 +336,8 @@ class PagedGenerator(GeneratorClients):
         """Generate for every prompt as one continuous batch; outputs come back in input order.
 
         Args:
-            prompts: A str, a list of str, a list of token ids (one prompt), or a list of token-id lists.
+            prompts: A str, a list of str, a list of token ids, a 1-D tensor or NumPy array (one prompt), or a
+                list of token-id lists, tensors or arrays.
             sampling_params: One SamplingParams for all prompts, or one per prompt. Default: SamplingParams().
             use_tqdm: Show a progress bar of finished requests.
             priority: One priority for all prompts, or one per prompt (``scheduling_policy="priority"``).

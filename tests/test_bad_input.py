@@ -7,6 +7,7 @@ finish with exactly the tokens they get without it, and every block is back.
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -125,11 +126,33 @@ CASES = [
     ("token >= vocab", add([5, 512]), ValueError, r"token id 512 is outside the vocabulary \[0, 512\)"),
     ("token < 0", add([5, -1]), ValueError, r"token id -1 is outside the vocabulary \[0, 512\)"),
     ("token float", add([5, 2.5]), TypeError, r"token ids must be ints, got 2.5"),
-    ("prompt float", add(3.0), TypeError, r"prompt must be a str, a list of token ids or a 1-D tensor, got float"),
+    ("prompt float", add(3.0), TypeError,
+     r"prompt must be a str, a list of token ids, or a 1-D integer tensor or NumPy array, got float"),
+    ("prompt bytes", add(b"hi"), TypeError, r"prompt must be a str, .*got bytes \(b'hi'\): decode it to a str"),
+    ("prompt bytearray", add(bytearray(b"hi")), TypeError, r"got bytearray"),
+    ("generate bytes", lambda m: m.paged.generate(b"hi", use_tqdm=False), TypeError,
+     r"prompts must be .*got bytes \(b'hi'\): decode it to a str"),
+    ("generate bytes in a list", lambda m: m.paged.generate([[1, 2], b"hi"], use_tqdm=False), TypeError, r"got bytes"),
+    ("stream bytes", lambda m: next(m.paged.stream(b"hi")), TypeError, r"got bytes"),
+    ("beam bytes", lambda m: m.paged.beam_search(b"hi"), TypeError, r"got bytes"),
+    ("prompt 2-D array", add(np.zeros((2, 2), dtype=np.int64)), TypeError,
+     r"an array prompt must be 1-D integer token ids, got int64 \(2, 2\)"),
+    ("generate 2-D array", lambda m: m.paged.generate(np.zeros((2, 2), dtype=np.int64), use_tqdm=False), TypeError,
+     r"an array prompt must be 1-D integer token ids, got int64 \(2, 2\)"),
+    ("prompt float array", add(np.array([1.0, 2.0])), TypeError, r"an array prompt must hold integer token ids, got dtype float64"),
     ("params dict", add([1, 2], {"max_tokens": 3}), TypeError, r"sampling_params must be a SamplingParams, got dict"),
     ("prompt 2-D tensor", add(torch.zeros(2, 2, dtype=torch.long)), TypeError, r"1-D integer token ids, got torch.int64 \(2, 2\)"),
     ("prompt too long", add([1] * 300), ValueError, r"prompt has 300 tokens, more than max_model_len=256"),
     ("request_id int", add([1, 2], request_id=5), TypeError, r"request_id must be a str, got 5"),
+    ("request_id empty", add([1, 2], request_id=""), ValueError, r"request_id must be a non-empty str, got ''"),
+    ("stream request_id empty", lambda m: next(m.paged.stream([1, 2], request_id="")), ValueError,
+     r"request_id must be a non-empty str"),
+    ("max_tokens past the context", add([1] * 250, P(max_tokens=10)), ValueError,
+     r"max_tokens=10 is too large: the prompt has 250 tokens and max_model_len is 256, so at most 6 new tokens fit"),
+    ("max_tokens past the context, one of many", lambda m: m.paged.generate([[1, 2], [1] * 250], P(max_tokens=7),
+     use_tqdm=False), ValueError, r"max_tokens=7 is too large: the prompt has 250 tokens .*at most 6 new tokens fit"),
+    ("stream max_tokens past the context", lambda m: next(m.paged.stream([1] * 200, P(max_tokens=100))), ValueError,
+     r"max_tokens=100 is too large: the prompt has 200 tokens and max_model_len is 256, so at most 56"),
     ("request_id in use", add([1, 2], request_id="running-0"), ValueError, r"request id 'running-0' is already in use"),
     ("priority str", add([1, 2], priority="1"), TypeError, r"priority must be an int, got '1'"),
     ("stop without tokenizer", add([1, 2], P(stop=["x"])), ValueError, r"stop strings \['x'\] need a tokenizer"),
@@ -432,3 +455,37 @@ def test_numpy_and_torch_integer_token_ids_are_accepted(engine):
     params = P(max_tokens=4, temperature=0.0, ignore_eos=True)
     for ids in (np.array(prompt), [np.int64(t) for t in prompt], [torch.tensor(t) for t in prompt], torch.tensor(prompt)):
         assert engine.generate([ids] if not isinstance(ids, list) else [ids], params, use_tqdm=False)[0].token_ids == want
+
+
+def test_numpy_token_id_arrays_are_accepted_wherever_a_tensor_is(engine):
+    prompts = make_prompts(2, [6, 9], seed=46)
+    params = P(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in engine.generate([torch.tensor(p) for p in prompts], params, use_tqdm=False)]
+    arrays = [np.array(p, dtype=np.int64) for p in prompts]
+    assert engine.generate(arrays[0], params, use_tqdm=False)[0].token_ids == want[0]  # one array: one prompt
+    assert engine.generate(np.array(prompts[0], dtype=np.uint16), params, use_tqdm=False)[0].token_ids == want[0]
+    assert [o.token_ids for o in engine.generate(arrays, params, use_tqdm=False)] == want  # a list: several
+    assert [o.token_ids for o in engine.generate(list(arrays[1]), params, use_tqdm=False)] == [want[1]]  # np ints
+    rid = engine.add_request(arrays[1], params)
+    assert drain(engine)[rid].token_ids == want[1]
+    assert sum((d.token_ids for d in engine.stream(arrays[0], params)), []) == want[0]
+    beams = BeamSearchParams(beam_width=2, max_tokens=3)
+    assert [b.sequences[0].token_ids for b in engine.beam_search(arrays[0], beams)] == [
+        b.sequences[0].token_ids for b in engine.beam_search(torch.tensor(prompts[0]), beams)]
+    assert len(engine.beam_search(arrays, beams)) == 2
+
+
+def test_max_tokens_that_just_fit_the_context_run_to_the_end(wrapped):
+    model, _ = wrapped
+    out = model.paged.generate([[1] * 250], P(max_tokens=6, ignore_eos=True, temperature=0.0), use_tqdm=False)[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def test_stock_generate_past_the_context_is_still_cut_at_max_model_len(wrapped):
+    """HF ``generate`` does not check ``max_new_tokens`` against the context: the wrapped one still stops at
+    ``max_model_len`` (the engine's request API refuses it, as the server does)."""
+    model, _ = wrapped
+    ids = torch.tensor([[7] * 250])
+    out = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 256)
+    assert model.paged.kv_manager.num_used_blocks == 0

@@ -280,7 +280,7 @@ def _add_rows(
             )
             rid = engine.add_request(
                 prompt, params, tokenizer=tokenizer, return_scores=bool(gen_cfg.output_scores), queue_outputs=True,
-                speculative_config=speculative,
+                speculative_config=speculative, stop_at_context=True,  # stock max_new_tokens: cut at the context
             )
             rows.append(_Row(rid, b, engine.scores_of(rid)))
     except BaseException:

@@ -1,0 +1,168 @@
+"""``hf-paged`` errors the user can fix: one line on stderr, exit code 2, and no model loaded for nothing.
+
+A broken model folder, a port already taken, a chat role the server refuses; and ``--help`` that names each
+default once.
+"""
+
+import argparse
+import json
+import re
+import socket
+
+import pytest
+
+from hf_paged import cli
+from hf_paged.cli import main
+from hf_paged.default_model import load_model
+from tests.helpers import make_model
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if a command gets as far as loading a model."""
+
+    def refuse(args):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(cli, "_load", refuse)
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("hf-paged: error: "), err
+    return err
+
+
+def _tokenizer_files(folder) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({"[UNK]": 0, "hi": 1, "there": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
+
+
+@pytest.fixture
+def model_folder(tmp_path):
+    """A tiny llama folder with config.json and tokenizer files, but no weights."""
+    folder = tmp_path / "tiny"
+    make_model("llama", seed=3).config.save_pretrained(folder)
+    _tokenizer_files(folder)
+    return folder
+
+
+# -- a broken model folder ---------------------------------------------------------------------------------
+
+
+def test_a_broken_config_json_is_one_line_before_loading(model_folder, capsys, no_loading):
+    (model_folder / "config.json").write_text('{"model_type": "llama",')
+    (model_folder / "model.safetensors").write_bytes(b"")
+    for argv in (["generate", "hi"], ["serve", "--port", "0"]):
+        assert main([*argv, "--model", str(model_folder)]) == 2
+        err = one_error_line(capsys)
+        assert "config.json is not valid JSON" in err and str(model_folder) in err, err
+    (model_folder / "config.json").write_text("[1, 2]")
+    assert main(["generate", "hi", "--model", str(model_folder)]) == 2
+    assert "config.json must hold a JSON object, got list" in one_error_line(capsys)
+
+
+def test_a_folder_without_weights_is_one_line_before_loading(model_folder, capsys, no_loading):
+    assert main(["generate", "hi", "--model", str(model_folder)]) == 2
+    err = one_error_line(capsys)
+    assert f"--model {str(model_folder)!r} has no weights" in err and ".safetensors" in err, err
+
+
+def test_load_model_errors_are_one_line_and_name_the_folder(model_folder, capsys):
+    with pytest.raises(OSError) as info:
+        load_model(str(model_folder))  # no weights
+    message = str(info.value)
+    assert "\n" not in message and str(model_folder) in message and "weights" in message, message
+    (model_folder / "config.json").write_text("{not json")
+    with pytest.raises(OSError) as info:
+        load_model(str(model_folder))
+    message = str(info.value)
+    assert "\n" not in message and "config.json" in message and str(model_folder) in message, message
+    (model_folder / "config.json").write_text("{}")
+    with pytest.raises(ValueError) as info:  # transformers' ValueError, one line, the config named first
+        load_model(str(model_folder))
+    assert "\n" not in str(info.value) and "model_type" in str(info.value), info.value
+
+
+def test_weights_that_do_not_load_end_in_one_line(model_folder, capsys):
+    (model_folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert main(["generate", "hi", "--model", str(model_folder), "--max-tokens", "2"]) == 2
+    err = one_error_line(capsys)
+    assert str(model_folder) in err and "weights" in err, err
+
+
+# -- serve / chat on a port already taken ---------------------------------------------------------------------
+
+
+def test_a_busy_port_is_found_before_loading(capsys, no_loading):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for command in ("serve", "chat"):
+            assert main([command, "--host", "127.0.0.1", "--port", str(port)]) == 2
+            err = one_error_line(capsys)
+            assert f"127.0.0.1:{port} is already in use" in err and "--port" in err, err
+
+
+def test_a_host_that_is_not_this_machines_is_one_line(capsys, no_loading):
+    assert main(["serve", "--host", "203.0.113.7", "--port", "0"]) == 2  # TEST-NET-3: never local
+    assert "--host '203.0.113.7'" in one_error_line(capsys)
+
+
+# -- batch: the server's chat roles ---------------------------------------------------------------------------
+
+
+def test_batch_rejects_a_role_the_server_rejects(tmp_path, capsys, no_loading):
+    from hf_paged.serving.protocol import ROLES
+
+    data = tmp_path / "chat.jsonl"
+    good = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+    bad = {"messages": [{"role": "wizard", "content": "cast a spell"}]}
+    data.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    assert main(["batch", str(data)]) == 2
+    err = one_error_line(capsys)
+    assert f"{data}:2: messages[0].role must be one of {list(ROLES)}, got 'wizard'" in err, err
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
+    assert main(["batch", str(data)]) == 2
+    assert f"{data}:1: messages[0].content must be a string" in one_error_line(capsys)
+
+
+def test_batch_reads_the_servers_message_shapes():
+    data = [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
+    assert cli._chat_messages(data) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": ""}]
+
+
+# -- --help: each default once ------------------------------------------------------------------------------
+
+
+def _parsers(parser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_help_names_each_default_once():
+    parsers = list(_parsers(cli.build_parser()))
+    assert len(parsers) == 7
+    for parser in parsers:
+        text = parser.format_help()
+        assert "(default: None)" not in text and "(default: False)" not in text, text
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.help is None or action.help is argparse.SUPPRESS:
+                continue
+            shown = formatter._expand_help(action)
+            assert len(re.findall(r"default", shown, re.IGNORECASE)) <= 1, (parser.prog, shown)
+    serve = " ".join(next(p for p in parsers if p.prog == "hf-paged serve").format_help().split())
+    assert "port to listen on (default: 8000)" in serve and "(default: 127.0.0.1)" in serve, serve
