@@ -2,6 +2,7 @@
 tests/setup_chromium.sh) driven by Playwright, on the default model. Never skipped: a missing browser fails."""
 
 import os
+import re
 import socket
 import subprocess
 import time
@@ -11,12 +12,17 @@ import pytest
 
 from hf_paged import AsyncPagedEngine, PagedGenerator, SamplingParams
 from hf_paged.default_model import load_default
+from hf_paged.outputs import EngineStats
 from hf_paged.ui import ChatDemo, build_prompt
 from hf_paged.ui.chat import STOPPED
+from hf_paged.ui.panel import PoolSnapshot, RequestInfo, render_panel
 
 SETUP = Path(__file__).with_name("setup_chromium.sh")
 FIRST = "Describe the city of Paris in two sentences."
 STORY = "Write a long story about a dragon who learns to bake bread."
+# a count whose noun does not agree with it: "1 requests", "0 request running", "2 block", "3/1 blocks"
+WRONG_PLURAL = re.compile(r"(?<![\d.])(?:1 (?:prompt |output )?(?:requests|seqs|blocks|tokens|sequences)"
+                          r"|(?:0|[2-9]|[1-9]\d+) (?:prompt |output )?(?:request|seq|block|token|sequence))\b")
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +187,103 @@ def test_engine_errors_show_in_the_chat(browser, app, monkeypatch):
     wait_for(lambda: len(page.locator("#hfp-chatbot [data-testid=bot]").all()) == 2 and not demo.live
              and "engine error" not in last_answer(page) and last_answer(page), 120, "a normal answer")
     page.close()
+
+
+def panel_text(html: str) -> str:
+    return norm(re.sub(r"<style>.*?</style>|<[^>]+>", " ", html, flags=re.S))
+
+
+def test_panel_counts_agree_with_their_nouns():
+    def stats(running, blocks, used, queries):
+        return EngineStats(num_running=running, num_waiting=0, num_swapped=0, num_kv_blocks=blocks,
+                           num_kv_blocks_used=used, num_kv_blocks_cached=0, kv_usage=used / blocks,
+                           prefix_cache_queries=queries, prefix_cache_hits=0, num_preemptions={}, num_prompt_tokens=1,
+                           num_generated_tokens=1, num_requests_finished=0, num_steps=1)
+
+    one = PoolSnapshot(stats(1, 1, 1, 1), [["r1"]], [False], [1], [RequestInfo("r1", "running", 1, 1, 1)], 1)
+    text = panel_text(render_panel(one, 1.0, 1))
+    assert "1 seq / 1 request" in text and "1 request running" in text, text
+    assert "r1: running, 1 prompt token + 1 output token, 1 block" in text, text
+    assert "(1 block of 1 token)" in text and "(1/1 block," in text and "(0/1 token)" in text, text
+    assert not WRONG_PLURAL.search(text), WRONG_PLURAL.search(text)
+    idle = PoolSnapshot(stats(0, 4, 0, 0), [[]] * 4, [False] * 4, [0] * 4, [], 16)
+    text = panel_text(render_panel(idle, 0.0, 0))
+    assert "0 seqs / 0 requests" in text and "0 requests running" in text, text
+    assert not WRONG_PLURAL.search(text), WRONG_PLURAL.search(text)
+    two = PoolSnapshot(stats(2, 4, 2, 2), [["a"], ["b"], [], []], [False] * 4, [1, 1, 0, 0],
+                       [RequestInfo("a", "running", 2, 0, 1), RequestInfo("b", "running", 2, 2, 1)], 16)
+    text = panel_text(render_panel(two, 0.0, 0))
+    assert "2 seqs / 2 requests" in text and "one continuous batch of 2 requests" in text, text
+    assert "2 prompt tokens + 0 output tokens, 1 block" in text, text
+    assert not WRONG_PLURAL.search(text), WRONG_PLURAL.search(text)
+
+
+def test_stop_is_enabled_only_while_generating_and_the_panel_marks_the_tabs_own_request(browser, app):
+    url, loop, demo, tok = app
+    tabs = [open_chat(browser, url) for _ in range(2)]
+    stops = [tab.locator("#hfp-stop") for tab in tabs]
+    panels = [tab.locator("#hfp-panel") for tab in tabs]
+    mine = [tab.locator("#hfp-panel li.hfp-mine") for tab in tabs]
+
+    def agrees(panel):  # the panel's counts agree with their nouns
+        text = norm(panel.inner_text())
+        assert not WRONG_PLURAL.search(text), (WRONG_PLURAL.search(text), text)
+        return text
+
+    assert not demo.live
+    for stop, panel in zip(stops, panels):
+        assert stop.is_disabled()  # idle: nothing to stop
+        wait_for(lambda: "0 requests running" in agrees(panel), 30, "the idle panel")
+
+    # Tab 0 asks: its Stop is enabled, tab 1's is not; its panel marks its own request, tab 1's panel does not.
+    for tab in tabs:
+        set_max_tokens(tab, 400)
+    send(tabs[0], STORY)
+    wait_for(stops[0].is_enabled, 60, "tab 0's Stop to be enabled")
+    assert stops[1].is_disabled()
+    wait_for(lambda: mine[0].count() == 1, 30, "tab 0's panel to mark its request")
+    own = mine[0].inner_text()
+    rid0 = demo.live and next(iter(demo.live.values()))[0]
+    assert rid0 and rid0 in own and "you" in mine[0].locator(".hfp-you").inner_text()
+    assert mine[0].get_attribute("aria-current") == "true"
+    wait_for(lambda: rid0 in panels[1].inner_text(), 30, "tab 1's panel to list tab 0's request")
+    assert mine[1].count() == 0 and "you" not in panels[1].locator("li").first.inner_text()
+    text = wait_for(lambda: "1 request running" in agrees(panels[0]) and agrees(panels[0]), 30, "one request")
+    assert "1 seq / 1 request" in text and "1 request running" in agrees(panels[1])
+
+    # Tab 1 asks too: one batch of two, each tab's panel marks its own row (and only it).
+    send(tabs[1], "Write a long story about a lighthouse keeper.")
+    wait_for(stops[1].is_enabled, 60, "tab 1's Stop to be enabled")
+    for panel, row in zip(panels, mine):
+        wait_for(lambda: "one continuous batch of 2 requests" in agrees(panel) and row.count() == 1, 60,
+                 "both requests in each panel, one of them marked")
+    rids = {rid for rs in demo.live.values() for rid in rs}
+    assert len(rids) == 2 and rid0 in rids
+    rid1 = (rids - {rid0}).pop()
+    assert rid0 in mine[0].inner_text() and rid1 not in mine[0].inner_text()
+    assert rid1 in mine[1].inner_text() and rid0 not in mine[1].inner_text()
+    assert panels[0].locator("li").count() == panels[1].locator("li").count() == 2
+
+    # Stopped: tab 0's Stop goes back to disabled while tab 1's answer (and Stop) goes on.
+    stops[0].click()
+    wait_for(lambda: STOPPED in last_answer(tabs[0]), 60, "tab 0's answer to stop")
+    wait_for(stops[0].is_disabled, 30, "tab 0's Stop to be disabled after stopping")
+    assert demo.live and stops[1].is_enabled()
+    wait_for(lambda: mine[0].count() == 0 and mine[1].count() == 1 and "1 request running" in agrees(panels[0]),
+             30, "tab 0's panel to show only tab 1's request, unmarked")
+    stops[1].click()
+    wait_for(lambda: STOPPED in last_answer(tabs[1]), 60, "tab 1's answer to stop")
+    wait_for(stops[1].is_disabled, 30, "tab 1's Stop to be disabled after stopping")
+
+    # Finished: a short answer runs to its end and Stop is disabled again.
+    set_max_tokens(tabs[0], 4)
+    send(tabs[0], "Hi!")
+    wait_for(lambda: tabs[0].locator("#hfp-chatbot [data-testid=bot]").count() == 2 and not demo.live
+             and STOPPED not in last_answer(tabs[0]) and last_answer(tabs[0]), 60, "a short answer")
+    assert demo.finished[-1][1] in ("stop", "length")
+    wait_for(stops[0].is_disabled, 30, "tab 0's Stop to be disabled after the answer")
+    for panel, row in zip(panels, mine):
+        wait_for(lambda: "0 requests running" in agrees(panel) and row.count() == 0, 30, "the idle panel again")
+    assert used_blocks(loop) == 0
+    for tab in tabs:
+        tab.close()

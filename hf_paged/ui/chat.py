@@ -64,11 +64,11 @@ class ChatDemo:
         self.max_tokens = max_tokens
         self.max_tokens_limit = max(1, min(4096, engine.max_model_len - 1))
         self.engine_speculates = engine.engine.config.speculative_config is not None
-        self.live: dict[str, str] = {}  # session -> request id of its answer being generated
+        self.live: dict[str, list[str]] = {}  # session -> request ids of its answers being generated
         self.finished: list[tuple[str, str | None]] = []  # (request id, finish reason) of every answer
         self._turns = itertools.count(1)
         self._lock = threading.Lock()
-        self._panel = (0.0, "")
+        self._panel: tuple[float, tuple | str | None] = (0.0, None)  # (when, the panel's data or an error page)
 
     # -- handlers -----------------------------------------------------------------------------------
     def respond(self, message: str, conversation: list[dict], system: str, temperature: float, top_p: float,
@@ -97,7 +97,8 @@ class ChatDemo:
             yield shown, conversation, ""
             return
         with self._lock:
-            self.live[session] = stream.request_id
+            self.live.setdefault(session, []).append(stream.request_id)
+        yield shown, conversation, ""  # in flight: the page's Stop button is enabled from here on
         try:
             for delta in stream:
                 text += delta.text or ""
@@ -108,8 +109,11 @@ class ChatDemo:
                 yield shown, conversation, ""
         finally:
             with self._lock:
-                if self.live.get(session) == stream.request_id:
-                    del self.live[session]
+                mine = self.live.get(session, [])
+                if stream.request_id in mine:
+                    mine.remove(stream.request_id)
+                if not mine:
+                    self.live.pop(session, None)
                 self.finished.append((stream.request_id, reason))
         if reason == "error":
             shown[-1] = {"role": "assistant", "content": f"{text}\n\n{ERROR_PREFIX}engine error: {error}"}
@@ -119,30 +123,40 @@ class ChatDemo:
         yield shown, conversation, ""
 
     def stop(self, session: str) -> None:
-        """Abort the session's answer in the engine (its blocks are freed before the next step)."""
+        """Abort the session's answers in the engine (their blocks are freed before the next step)."""
         with self._lock:
-            rid = self.live.get(session)
-        if rid is not None:
+            rids = list(self.live.get(session, ()))
+        for rid in rids:
             self.engine.abort(rid)
 
-    def panel(self) -> str:
-        """The live panel's HTML (one engine snapshot per half second, whichever tab asks)."""
+    def generating(self, session: str) -> bool:
+        """Whether the session has an answer in flight (its Stop button is enabled only then)."""
         with self._lock:
-            taken, cached = self._panel
-        if time.time() - taken < 0.5 and cached:
-            return cached
-        try:
-            snap = self.engine.call(take_snapshot).result(timeout=10)
-        except EngineClosedError:
-            return "<div class='hfp-panel'>engine stopped</div>"
-        except Exception as e:  # noqa: BLE001 - the panel never breaks the page
-            logger.exception("panel snapshot failed")
-            return f"<div class='hfp-panel'>panel unavailable: {type(e).__name__}: {e}</div>"
-        out = render_panel(snap, self.engine.generation_throughput(), self.engine.num_waiting,
-                           self.engine.num_finished_by_reason)
+            return bool(self.live.get(session))
+
+    def panel(self, session: str | None = None) -> str:
+        """The live panel's HTML as ``session``'s tab sees it: its own requests are marked "you".
+
+        One engine snapshot per half second, whichever tab asks; each tab renders it with its own requests."""
         with self._lock:
-            self._panel = (time.time(), out)
-        return out
+            taken, data = self._panel
+        if time.time() - taken >= 0.5 or data is None:
+            try:
+                snap = self.engine.call(take_snapshot).result(timeout=10)
+                data = (snap, self.engine.generation_throughput(), self.engine.num_waiting,
+                        dict(self.engine.num_finished_by_reason))
+            except EngineClosedError:
+                data = "<div class='hfp-panel'>engine stopped</div>"
+            except Exception as e:  # noqa: BLE001 - the panel never breaks the page
+                logger.exception("panel snapshot failed")
+                return f"<div class='hfp-panel'>panel unavailable: {type(e).__name__}: {e}</div>"
+            with self._lock:
+                self._panel = (time.time(), data)
+        if isinstance(data, str):
+            return data
+        with self._lock:
+            mine = set(self.live.get(session, ())) if session is not None else set()
+        return render_panel(*data, mine=mine)
 
     # -- the page -----------------------------------------------------------------------------------
     def build(self):
@@ -151,11 +165,21 @@ class ChatDemo:
 
         def respond(message, conversation, system, temperature, top_p, max_tokens, speculative,
                     request: gr.Request):
-            yield from self.respond(message, conversation, system, temperature, top_p, max_tokens,
-                                    _session(request), bool(speculative))
+            session, shown = _session(request), None
+            for out in self.respond(message, conversation, system, temperature, top_p, max_tokens, session,
+                                    bool(speculative)):
+                active = self.generating(session)  # Stop: enabled while this tab has an answer in flight
+                yield (*out, gr.update(interactive=active) if active != shown else gr.skip())
+                shown = active
 
         def stop(request: gr.Request):
             self.stop(_session(request))
+
+        def stop_state(request: gr.Request):  # after an answer, however it ended
+            return gr.update(interactive=self.generating(_session(request)))
+
+        def panel_html(request: gr.Request):
+            return self.panel(_session(request))
 
         def clear(request: gr.Request):
             self.stop(_session(request))
@@ -172,7 +196,7 @@ class ChatDemo:
                                          elem_id="hfp-message", lines=1)
                     with gr.Row():
                         send = gr.Button("Send", variant="primary", elem_id="hfp-send")
-                        stop_button = gr.Button("Stop", variant="stop", elem_id="hfp-stop")
+                        stop_button = gr.Button("Stop", variant="stop", elem_id="hfp-stop", interactive=False)
                         clear_button = gr.Button("Clear", elem_id="hfp-clear")
                     system = gr.Textbox(self.system_prompt, label="System prompt", lines=2, elem_id="hfp-system")
                     with gr.Row():
@@ -187,13 +211,14 @@ class ChatDemo:
                 with gr.Column(scale=2):
                     panel = gr.HTML(self.panel(), elem_id="hfp-panel", label="engine")
             inputs = [message, conversation, system, temperature, top_p, max_tokens, speculative]
-            outputs = [chatbot, conversation, message]
+            outputs = [chatbot, conversation, message, stop_button]
             for trigger in (message.submit, send.click):
-                trigger(respond, inputs, outputs, concurrency_limit=None, show_progress="hidden")
+                trigger(respond, inputs, outputs, concurrency_limit=None, show_progress="hidden").then(
+                    stop_state, None, stop_button, queue=False, show_progress="hidden")
             stop_button.click(stop, None, None, concurrency_limit=None, queue=False)
             clear_button.click(clear, None, [chatbot, conversation], concurrency_limit=None, queue=False)
             timer = gr.Timer(1.0)
-            timer.tick(self.panel, None, panel, concurrency_limit=None, show_progress="hidden")
+            timer.tick(panel_html, None, panel, concurrency_limit=None, show_progress="hidden")
         return demo
 
     def launch(self, host: str = "127.0.0.1", port: int = 7860, **kw):

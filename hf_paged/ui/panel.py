@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from hf_paged.outputs import EngineStats
@@ -70,12 +71,20 @@ def take_snapshot(engine) -> PoolSnapshot:
                         sorted(per_request.values(), key=lambda r: r.request_id), kv.block_size)
 
 
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``1 request``, ``0 requests``, ``2 requests`` (``nouns``: an irregular plural)."""
+    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
+
+
 def colour_of(request_id: str, order: dict[str, int]) -> str:
     return PALETTE[order.setdefault(request_id, len(order)) % len(PALETTE)]
 
 
-def render_panel(snap: PoolSnapshot, tok_per_s: float, num_waiting: int, finished: dict[str, int] | None = None) -> str:
-    """HTML of the panel: counters, the running requests and the block pool (one cell per block)."""
+def render_panel(snap: PoolSnapshot, tok_per_s: float, num_waiting: int, finished: dict[str, int] | None = None,
+                 mine: Collection[str] = ()) -> str:
+    """HTML of the panel: counters, the running requests and the block pool (one cell per block).
+
+    ``mine``: the request ids of the tab viewing the panel; their rows get a "you" badge."""
     s = snap.stats
     order: dict[str, int] = {}
     for info in snap.requests:
@@ -84,25 +93,22 @@ def render_panel(snap: PoolSnapshot, tok_per_s: float, num_waiting: int, finishe
     waiting = [r for r in snap.requests if r.status == "waiting"]
     preempt = ", ".join(f"{k} {v}" for k, v in s.num_preemptions.items())
     counters = [
-        ("running", f"{s.num_running} seqs / {len(running)} requests"),
+        ("running", f"{plural(s.num_running, 'seq')} / {plural(len(running), 'request')}"),
         ("waiting", str(num_waiting)),
         ("throughput", f"{tok_per_s:.1f} tok/s"),
-        ("KV usage", f"{100 * s.kv_usage:.1f}% ({s.num_kv_blocks_used}/{s.num_kv_blocks} blocks, "
+        ("KV usage", f"{100 * s.kv_usage:.1f}% ({s.num_kv_blocks_used}/{plural(s.num_kv_blocks, 'block')}, "
                      f"{s.num_kv_blocks_cached} cached free)"),
-        ("prefix-cache hit rate", f"{100 * s.prefix_cache_hit_rate:.1f}% ({s.prefix_cache_hits}/{s.prefix_cache_queries} "
-                                  "tokens)"),
+        ("prefix-cache hit rate", f"{100 * s.prefix_cache_hit_rate:.1f}% ({s.prefix_cache_hits}/"
+                                  f"{plural(s.prefix_cache_queries, 'token')})"),
         ("preemptions", preempt or "0"),
         ("steps", str(s.num_steps)),
         ("finished", ", ".join(f"{k} {v}" for k, v in (finished or {}).items() if v) or "0"),
     ]
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td id='hfp-{html.escape(k.split()[0].lower())}'>"
                    f"{html.escape(v)}</td></tr>" for k, v in counters)
-    batch = "".join(
-        f"<li><span class='hfp-sw' style='background:{colour_of(r.request_id, order)}'></span>"
-        f"{html.escape(r.request_id)}: {r.status}, prompt {r.num_prompt_tokens} + {r.num_output_tokens} tokens, "
-        f"{r.num_blocks} blocks</li>" for r in running + waiting)
+    batch = "".join(_request_row(r, colour_of(r.request_id, order), r.request_id in mine) for r in running + waiting)
     batch_title = (f"one continuous batch of {len(running)} requests" if len(running) > 1
-                   else f"{len(running)} request running")
+                   else f"{plural(len(running), 'request')} running")
     cells = []
     refs = snap.refs or [len(o) for o in snap.owners]
     for block_id, (holders, is_cached, ref) in enumerate(zip(snap.owners, snap.cached, refs)):
@@ -125,10 +131,19 @@ def render_panel(snap: PoolSnapshot, tok_per_s: float, num_waiting: int, finishe
         f"<div class='hfp-panel'><style>{_CSS}</style>"
         f"<table class='hfp-stats'>{rows}</table>"
         f"<div class='hfp-batch'><b>{batch_title}</b><ul>{batch or '<li>idle</li>'}</ul></div>"
-        f"<div class='hfp-pool-title'><b>KV block pool</b> ({len(snap.owners)} blocks of "
-        f"{snap.block_size} tokens)</div>"
+        f"<div class='hfp-pool-title'><b>KV block pool</b> ({plural(len(snap.owners), 'block')} of "
+        f"{plural(snap.block_size, 'token')})</div>"
         f"<div class='hfp-pool' id='hfp-pool'>{''.join(cells)}</div><div class='hfp-legend'>{legend}</div></div>"
     )
+
+
+def _request_row(r: RequestInfo, colour: str, mine: bool) -> str:
+    """One line of the batch list; the viewing tab's own request is highlighted and badged "you"."""
+    attrs = " class='hfp-req hfp-mine' aria-current='true'" if mine else " class='hfp-req'"
+    badge = "<span class='hfp-you' title='the request of this tab'>you</span> " if mine else ""
+    return (f"<li{attrs}><span class='hfp-sw' style='background:{colour}'></span>{badge}"
+            f"{html.escape(r.request_id)}: {r.status}, {plural(r.num_prompt_tokens, 'prompt token')} + "
+            f"{plural(r.num_output_tokens, 'output token')}, {plural(r.num_blocks, 'block')}</li>")
 
 
 _CSS = """
@@ -145,4 +160,6 @@ _CSS = """
 .hfp-cached{opacity:.9}
 .hfp-sw{display:inline-block;width:10px;height:10px;margin:0 3px 0 8px;vertical-align:middle}
 .hfp-legend{margin-top:4px;color:#444}
+.hfp-mine{background:#fff4c2;border-radius:2px;font-weight:600}
+.hfp-you{display:inline-block;padding:0 4px;margin-right:4px;border-radius:6px;background:#1f6feb;color:#fff;font-size:10px}
 """
