@@ -18,6 +18,7 @@ from hf_paged.core.scheduler import Scheduler
 from hf_paged.core.scheduler_output import SchedulerOutput
 from hf_paged.engine_setup import as_prompt_list, eos_token_ids, per_prompt, token_ids
 from hf_paged.executor import Executor, UniProcExecutor
+from hf_paged.executor.setup import check_speculative
 from hf_paged.generator_clients import GeneratorClients
 from hf_paged.output_processor import OutputProcessor, RequestState
 from hf_paged.outputs import EngineStats, RequestOutput
@@ -74,6 +75,7 @@ class PagedGenerator(GeneratorClients):
         self.scheduler = Scheduler(
             self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
             cfg.enable_chunked_prefill, cfg.scheduling_policy, cfg.preemption_mode,
+            cfg.long_prefill_token_threshold,
         )
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -174,13 +176,17 @@ class PagedGenerator(GeneratorClients):
         request = Sequence(rid, ids, params, self.eos_token_ids, self.max_model_len, prompt=text, priority=priority)
         spec = SpeculativeConfig.from_value(speculative) if speculative is not None else self.config.speculative_config
         if spec is not None and params.num_speculative_tokens != 0:
+            # settings only: its proposer (a draft model to load, a probe forward) is built at admission, which
+            # runs where the steps run (the engine loop's thread), never beside a forward
             request.spec_key, request.spec_k, request.spec_lookahead, request.spec_disable_batch_size = (
-                self._spec_settings(spec)
+                self._spec_settings(spec, build=False)
             )
         self.scheduler.check_request(request)
         if not stop_at_context:
             self._check_context(len(ids), params.max_tokens)
         state = RequestState(rid, text, request.prompt_token_ids, params.n, request.arrival_time, tokenizer)
+        if request.spec_key is not None and speculative is not None:
+            state.speculative = spec
         if return_scores:
             request.scores = []
             state.scores = {}
@@ -196,17 +202,22 @@ class PagedGenerator(GeneratorClients):
             raise ValueError(f"max_tokens={max_tokens} is too large: the prompt has {prompt_len} tokens and "
                              f"max_model_len is {self.max_model_len}, so at most {room} new tokens fit")
 
-    def _spec_settings(self, spec: SpeculativeConfig) -> tuple[str, int, int, int | None]:
-        """(proposer key, k, lookahead slots, batch limit) for a configuration; its proposer is made once."""
+    def _spec_settings(self, spec: SpeculativeConfig, build: bool = True) -> tuple[str, int, int, int | None]:
+        """(proposer key, k, lookahead slots, batch limit) for a configuration; with ``build``, its proposer is
+        made (once per key). Without, only what can be checked cheaply is (a draft model folder exists)."""
         key = spec_key(spec)
-        if not self.executor.has_proposer(key):
+        if build and not self.executor.has_proposer(key):
             self.executor.add_proposer(key, spec)
+        elif not build:
+            check_speculative(spec)
         lookahead = spec.num_speculative_tokens if spec.method == "draft_model" else 0
         return key, spec.num_speculative_tokens, lookahead, spec.disable_by_batch_size
 
     def _admit(self, request: Sequence, state: RequestState, queue_outputs: bool) -> None:
         if state.request_id in self.outputs.requests:
             raise ValueError(f"request id {state.request_id!r} is already in use")
+        if state.speculative is not None and not self.executor.has_proposer(request.spec_key):
+            self.executor.add_proposer(request.spec_key, state.speculative)
         self.scheduler.add_request(request)
         self.outputs.add(state, request, request.sampling_params.stop, with_queue=queue_outputs)
 

@@ -35,6 +35,7 @@ class RequestState:
     errors: dict[int, str] = field(default_factory=dict)  # index -> why its stop-string check failed
     queue: deque | None = None  # outputs for a caller that reads this request's outputs
     scores: dict[int, list] | None = None  # index -> processed logits rows (HF output_scores)
+    speculative: object = None  # its own SpeculativeConfig: the proposer is built when it is admitted
 
     @property
     def first(self) -> Sequence:

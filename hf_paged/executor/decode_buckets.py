@@ -153,7 +153,7 @@ class DecodeBuckets:
         lens[:n] = torch.tensor(seq_lens, dtype=torch.int32)
         self.seq_lens[:bucket].copy_(lens.to(dev, non_blocking=True))
         self.cu_seqlens_q[: bucket + 1].copy_(torch.arange(0, padded + 1, q, dtype=torch.int32).to(dev))
-        graph_ops.new_step()
+        graph_ops.new_step(self.block_tables)
 
     def run(self, step) -> torch.Tensor | None:
         """Logits ``[len(scheduled) * q, V]`` of every real query token (a sequence's rows are consecutive: all

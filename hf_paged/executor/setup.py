@@ -140,14 +140,20 @@ def make_fast_runner(model, cfg: EngineConfig, pool: KVPool, backend: str, max_m
     return program
 
 
+def check_speculative(spec) -> None:
+    """What can be checked about a speculative configuration without building its proposer (ValueError)."""
+    if spec.method != "ngram" and isinstance(spec.model, str) and spec.self_draft_layers is None:
+        if not os.path.isdir(spec.model):
+            raise ValueError(f"speculative_config model {spec.model!r}: no such folder (give a model, a folder or 'self:N')")
+
+
 def make_proposer(spec, runner, max_model_len: int):
     """The proposer a :class:`~hf_paged.spec_decode.SpeculativeConfig` asks for."""
+    check_speculative(spec)
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     draft = spec.model
     if isinstance(draft, str) and spec.self_draft_layers is None:
-        if not os.path.isdir(draft):
-            raise ValueError(f"speculative_config model {draft!r}: no such folder (give a model, a folder or 'self:N')")
         draft, _ = load_model(draft, dtype=next(runner.model.parameters()).dtype, device=runner.device)
     return DraftModelProposer(runner, None if spec.self_draft_layers else draft, spec.self_draft_layers, max_model_len)
 

@@ -22,28 +22,30 @@ from hf_paged.kernels.torch_attention import TorchAttentionPlan, paged_attention
 
 
 # The CPU attention plan (gather indices, native-kernel rows) depends only on the step's sequence lengths and
-# block tables, which every layer shares: built by the first layer of a step, reused by the others.
-# new_step() (called by the runner after it fills its buffers) invalidates it.
-_plan: dict[str, object] = {"step": -1, "built": None}
-_step = [0]
+# block tables, which every layer shares: built by the first layer of a step, reused by the others. Cached per
+# engine: keyed by the address of its decode buckets' persistent block-table buffer (engines and threads never
+# share one), and dropped by new_step() when the buckets refill that buffer for the next step.
+_plans: dict[int, tuple] = {}
 
 
-def new_step() -> None:
-    _step[0] += 1
+def new_step(block_tables: torch.Tensor) -> None:
+    """The decode buckets refilled ``block_tables`` (their persistent buffer): its cached plan is stale."""
+    _plans.pop(block_tables.data_ptr(), None)
 
 
 def _cpu_plan(block_tables, seq_lens, cu_seqlens_q, block_size: int, native: int):
     """(real sequences, their query rows, longest of them, plan) of this step, built once per step."""
-    key = (_step[0], block_tables.data_ptr(), seq_lens.data_ptr(), block_tables.shape[0], native)
-    if _plan["step"] != key:
+    key = (seq_lens.data_ptr(), block_tables.shape[0], native)
+    cached = _plans.get(block_tables.data_ptr())
+    if cached is None or cached[0] != key:
         num_real = int((seq_lens > 0).sum())
         built = (num_real, 0, 0, None)
         if num_real:
             tables, lens, cu = block_tables[:num_real], seq_lens[:num_real], cu_seqlens_q[: num_real + 1]
             plan = TorchAttentionPlan.build(tables, lens, cu, block_size, native_max_q=native)
             built = (num_real, int(cu[-1]), int(lens.max()), plan)
-        _plan["built"], _plan["step"] = built, key
-    return _plan["built"]
+        cached = _plans[block_tables.data_ptr()] = (key, built)
+    return cached[1]
 
 
 @torch.library.custom_op("hf_paged::static_paged_attention", mutates_args=("k_cache", "v_cache"))
