@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from collections.abc import Sequence
 from typing import Any
 
-from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
+from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, check_long_prefill_token_threshold
 from hf_paged.kernels import BACKENDS
 from hf_paged.cpu.packed_linear import KIND_NAMES as PACKING_KIND_NAMES
 from hf_paged.cpu.packed_linear import KINDS as PACKING_KINDS
@@ -56,6 +56,9 @@ class EngineConfig:
         max_model_len: Longest sequence (prompt + output). Default: the model's
             ``max_position_embeddings``, capped at the pool's capacity.
         enable_chunked_prefill: Split prompts longer than the step's remaining budget across steps.
+        long_prefill_token_threshold: With chunked prefill, the longest prefill chunk one sequence gets in a
+            step while other sequences are decoding (vLLM's key), so a long prompt that arrives is spread over
+            steps and running streams keep a bounded inter-token latency. None or 0: no cap but the budget.
         attention_backend: "auto" (Triton on CUDA; on CPU the native kernel when it builds, else torch),
             "torch", "cpu" or "triton".
         seed: Seed of the engine generator used by sampled requests that bring no seed of their own.
@@ -100,6 +103,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = 256
     attention_backend: str = "auto"
     seed: int = 0
     prepack_weights: bool | str | None = None
@@ -123,6 +127,7 @@ class EngineConfig:
                 _require_int(name, getattr(self, name), 1)
         if not isinstance(self.kv_cache_memory_fraction, (int, float)) or not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        check_long_prefill_token_threshold(self.long_prefill_token_threshold)
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):

@@ -378,3 +378,49 @@ def test_admission_starts_after_the_cached_prefix():
     out = run_step(sched)
     assert sched_view(sched, out) == [("b", 8, 5, True)] and b.num_cached_tokens == 8
     assert sched.kv.prefix_queries == 23 and sched.kv.prefix_hits == 8
+
+
+def test_long_prefill_token_threshold_chunks_an_arriving_prompt_while_others_decode():
+    # budget 64, cap 10: a 30-token prompt alone runs whole; one arriving while "a" decodes gets 10 a step
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=64, long_prefill_token_threshold=10)
+    sched.add_request(make_request("alone", 30, max_tokens=2))
+    assert sched_view(sched, run_step(sched)) == [("alone", 0, 30, True)]
+    run_step(sched)  # its last token: it finishes
+    a = make_request("a", 4, max_tokens=20)
+    sched.add_request(a)
+    assert sched_view(sched, run_step(sched)) == [("a", 0, 4, True)]
+    sched.add_request(make_request("b", 25, max_tokens=4, first=40))
+    outs = [run_step(sched) for _ in range(4)]
+    assert [sched_view(sched, o) for o in outs] == [
+        [("a", 4, 1, True), ("b", 0, 10, False)],
+        [("a", 5, 1, True), ("b", 10, 10, False)],
+        [("a", 6, 1, True), ("b", 20, 5, True)],
+        [("a", 7, 1, True), ("b", 25, 1, True)],
+    ]
+    assert [o.num_batched_tokens for o in outs] == [11, 11, 6, 2]
+
+
+def test_long_prefill_token_threshold_off_and_its_checks():
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=64, long_prefill_token_threshold=None)
+    sched.add_request(make_request("a", 4, max_tokens=20))
+    run_step(sched)
+    sched.add_request(make_request("b", 25, first=40))
+    assert sched_view(sched, run_step(sched)) == [("a", 4, 1, True), ("b", 0, 25, True)]
+    assert make_scheduler(long_prefill_token_threshold=0).long_prefill_token_threshold == 0
+    with pytest.raises(ValueError, match="long_prefill_token_threshold.*-5"):
+        make_scheduler(long_prefill_token_threshold=-5)
+    with pytest.raises(TypeError, match="long_prefill_token_threshold.*'256'"):
+        make_scheduler(long_prefill_token_threshold="256")
+    with pytest.raises(TypeError, match="long_prefill_token_threshold.*True"):
+        make_scheduler(long_prefill_token_threshold=True)
+
+
+def test_engine_config_checks_long_prefill_token_threshold():
+    from hf_paged.config import EngineConfig
+
+    assert EngineConfig().long_prefill_token_threshold == 256
+    assert EngineConfig(long_prefill_token_threshold=None).long_prefill_token_threshold is None
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be a positive int.*got -1"):
+        EngineConfig(long_prefill_token_threshold=-1)
+    with pytest.raises(TypeError, match="long_prefill_token_threshold must be a positive int.*got 1.5"):
+        EngineConfig(long_prefill_token_threshold=1.5)

@@ -9,6 +9,10 @@ step, in order and under a token budget and a sequence cap:
 2. swapped-out sequences, brought back when their blocks fit;
 3. waiting requests, in order, starting after their longest cached prefix, long prompts in chunks.
 
+While a sequence is decoding, no other sequence gets a prefill chunk (prompt, or a recompute) longer than
+``long_prefill_token_threshold`` tokens in a step, so a long prompt that arrives is spread over several
+steps and the running streams' inter-token latency stays bounded (vLLM's key of the same name).
+
 Scheduling order is arrival (``scheduling_policy="fcfs"``) or ``(priority, arrival)`` with lower values
 first (``"priority"``, vLLM's convention); the victim of a preemption is always the last in that order.
 """
@@ -29,6 +33,17 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
+def check_long_prefill_token_threshold(value: object) -> int:
+    """``long_prefill_token_threshold`` as an int (0: off): a positive int, or None or 0 for off."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"long_prefill_token_threshold must be a positive int, or None or 0 for no cap, got {value!r}")
+    if value < 0:
+        raise ValueError(f"long_prefill_token_threshold must be a positive int, or None or 0 for no cap, got {value}")
+    return value
+
+
 class Scheduler(SchedulerUpdate):
     """Continuous batching over one :class:`KVCacheManager`.
 
@@ -42,6 +57,8 @@ class Scheduler(SchedulerUpdate):
         scheduling_policy: "fcfs" or "priority".
         preemption_mode: "recompute", "swap" (falls back to recompute when the host pool is full) or "auto"
             (swap the members of a group, i.e. n > 1 samples and beams, recompute single sequences).
+        long_prefill_token_threshold: With chunked prefill, the longest prefill chunk one sequence gets in a
+            step while another sequence is decoding. None or 0: no cap beyond the step's budget.
 
     Speculative decoding is per request (``Sequence.spec_key`` and friends): a decoding sequence with drafts
     (from the runner's previous output) runs ``1 + len(drafts)`` tokens, drafts cut to the budget and dropped
@@ -58,6 +75,7 @@ class Scheduler(SchedulerUpdate):
         enable_chunked_prefill: bool = True,
         scheduling_policy: str = "fcfs",
         preemption_mode: str = "recompute",
+        long_prefill_token_threshold: int | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -67,6 +85,7 @@ class Scheduler(SchedulerUpdate):
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        self.long_prefill_token_threshold = check_long_prefill_token_threshold(long_prefill_token_threshold)
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -82,6 +101,7 @@ class Scheduler(SchedulerUpdate):
         self._known: set[int] = set()  # sequences the runner has state for
         self._finished_since_schedule: list[int] = []
         self._queued = 0  # sequences queued at the start of this step (speculation's batch limit)
+        self._prefill_cap = 0  # this step's cap on one sequence's prefill chunk (0: none)
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_prompt_tokens = 0  # of requests admitted (first admission only)
         self.num_generated_tokens = 0
@@ -160,6 +180,7 @@ class Scheduler(SchedulerUpdate):
         out = SchedulerOutput(finished_seq_ids=self._finished_since_schedule)
         self._finished_since_schedule = []
         self._queued = len(self.running) + len(self.waiting) + len(self.swapped)
+        self._prefill_cap = self._step_prefill_cap()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_seq_ids:  # a step that had to preempt has no room to bring anyone in
             budget = self._schedule_swapped(out, budget)
@@ -183,7 +204,7 @@ class Scheduler(SchedulerUpdate):
             if num_new == 0:  # a beam waiting for the beam search to pick its next token
                 i += 1
                 continue
-            num_new = min(num_new, budget)
+            num_new = min(self._cap_prefill(num_new), budget)
             # drafts only on a plain decode, cut to the budget (never during prefill chunks)
             drafts = []
             if num_new == 1 and request.spec_token_ids and self._speculates(request):
@@ -208,12 +229,24 @@ class Scheduler(SchedulerUpdate):
                 i += 1
         return budget
 
+    def _step_prefill_cap(self) -> int:
+        """The cap on one sequence's prefill chunk this step: the threshold while a sequence is decoding (it has
+        output and at most its last token, or a beam's, to compute), with chunked prefill on; else 0 (none)."""
+        limit = self.long_prefill_token_threshold
+        if not limit or not self.enable_chunked_prefill:
+            return 0
+        decoding = any(r.output_token_ids and r.num_tokens - r.num_computed_tokens <= 1 for r in self.running)
+        return limit if decoding else 0
+
+    def _cap_prefill(self, num_new: int) -> int:
+        return min(num_new, self._prefill_cap) if self._prefill_cap and num_new > 1 else num_new
+
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while budget > 0 and len(out.scheduled) < self.max_num_seqs:
             request = next((r for r in self.swapped if not r.parked), None)
             if request is None:
                 break
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._cap_prefill(request.num_tokens - request.num_computed_tokens), budget)
             extra = self.kv.blocks_for_tokens(request.num_computed_tokens + num_new) - len(
                 self.kv.host_tables[request.seq_id]
             )
@@ -255,7 +288,7 @@ class Scheduler(SchedulerUpdate):
             num_new = request.num_tokens - num_computed
             if num_new > budget and not self.enable_chunked_prefill and not request.output_token_ids:
                 break  # a prompt runs whole when chunking is off (a recompute may span steps)
-            num_new = min(num_new, budget)
+            num_new = min(self._cap_prefill(num_new), budget)
             if self.kv.allocate_slots(
                 request.seq_id, num_computed, num_new, cached, hashes, self._lookahead(out, request, num_new, num_computed)
             ) is None:
