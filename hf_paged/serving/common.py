@@ -1,7 +1,10 @@
-"""What the engine loop, the server and the metrics share: the loop's errors and its per-step record."""
+"""What the engine loop, the server and the metrics share: the loop's errors, its per-step record, and the
+server's worker pool for blocking request work."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -60,3 +63,49 @@ class ThroughputWindow:
         (t0, n0), (t1, n1) = recent[0], recent[-1]
         return (n1 - n0) / max(now - t0, t1 - t0, 1e-6)
 
+
+
+class WorkerPool:
+    """Run blocking request work (JSON parsing, chat templates, tokenization) off the asyncio event loop, so
+    that one client's huge message never stalls the other clients' streams and cheap requests.
+
+    ``workers`` threads run the calls; at most ``workers`` are handed to them at once (the rest wait on the
+    event loop, where a disconnect cancels them before they start), and at most ``max_pending`` calls are
+    admitted (running or waiting): one more raises :class:`QueueFullError`.
+    """
+
+    def __init__(self, workers: int = 2, max_pending: int = 1024) -> None:
+        for name, value in (("workers", workers), ("max_pending", max_pending)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.workers = workers
+        self.max_pending = max_pending
+        self.num_pending = 0  # event-loop thread only
+        self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hf-paged-request")
+        self._slots: asyncio.Semaphore | None = None  # made in the running event loop
+
+    async def run(self, fn, *args):
+        """``fn(*args)`` on a worker thread; its result or its exception."""
+        if self.num_pending >= self.max_pending:
+            raise QueueFullError(f"{self.num_pending} requests are being prepared (parsed and tokenized) already, "
+                                 f"the limit of this server; retry later")
+        loop = asyncio.get_running_loop()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.workers)
+        slots = self._slots
+        self.num_pending += 1
+        try:
+            await slots.acquire()
+            try:
+                future = self._executor.submit(fn, *args)
+            except BaseException:
+                slots.release()
+                raise
+            # the slot is free when the thread is done, not when a cancelled caller stops waiting for it
+            future.add_done_callback(lambda _: loop.call_soon_threadsafe(slots.release))
+            return await asyncio.wrap_future(future)
+        finally:
+            self.num_pending -= 1
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -7,6 +7,7 @@ that disconnects has its requests aborted, which frees their KV blocks. Needs ``
 
 # No ``from __future__ import annotations``: FastAPI reads the route signatures' annotations as objects.
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -15,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 
 from hf_paged.outputs import RequestOutput
+from hf_paged.serving.common import WorkerPool
 from hf_paged.serving.engine_loop import AsyncPagedEngine, EngineClosedError, QueueFullError
 from hf_paged.serving.protocol import (
     APIError, ParsedRequest, ServedModel, chat_logprobs, check_depth, completion_logprobs, new_id, parse_chat,
@@ -25,6 +27,7 @@ from hf_paged.serving.stream import RequestStream
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_REQUEST_WORKERS = 2  # threads that parse and tokenize request bodies
 # SamplingParams fields an engine error message may start with (longest first: "stop_token_ids" before "stop")
 _PARAM_FIELDS = ("stop_token_ids", "max_tokens", "min_tokens", "logprobs", "stop", "seed", "n")
 
@@ -41,6 +44,7 @@ def _require():
 def build_app(
     engine: AsyncPagedEngine, served: ServedModel, *, api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_metrics: bool = True,
+    request_workers: int = DEFAULT_REQUEST_WORKERS,
 ):
     """The FastAPI app serving ``engine`` under the OpenAI API.
 
@@ -51,6 +55,9 @@ def build_app(
         api_key: When set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>`` (401 otherwise).
         max_body_bytes: Larger request bodies are refused with a 413.
         enable_metrics: Serve Prometheus metrics at ``/metrics``.
+        request_workers: Threads that parse request bodies, apply the chat template and tokenize, off the
+            event loop (so a huge message never stalls other clients). At most ``max_waiting_requests``
+            requests wait for them; one more is a 503.
     """
     fastapi = _require()
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -60,7 +67,16 @@ def build_app(
 
     queue = engine.max_waiting_requests
     served = dataclasses.replace(served, max_prompts=min(served.max_prompts or queue, queue))
-    app = fastapi.FastAPI(title="hf_paged OpenAI-compatible server", docs_url=None, redoc_url=None)
+    pool = WorkerPool(request_workers, queue)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        try:
+            yield
+        finally:
+            pool.close()
+
+    app = fastapi.FastAPI(title="hf_paged OpenAI-compatible server", docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = ServingMetrics(engine, served.name) if enable_metrics else None
     app.state.engine = engine
     app.state.served = served
@@ -92,7 +108,7 @@ def build_app(
         if not hmac.compare_digest(token.encode(), api_key.encode()):
             raise APIError("Incorrect API key provided", 401, type="authentication_error", code="invalid_api_key")
 
-    async def read_json(request) -> object:
+    async def read_body(request) -> bytes:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > max_body_bytes:
             raise APIError(f"the request body has {length} bytes, more than the limit of {max_body_bytes}", 413,
@@ -104,8 +120,11 @@ def build_app(
                 raise APIError(f"the request body is larger than the limit of {max_body_bytes} bytes", 413,
                                param="body", code="request_too_large")
             chunks.append(chunk)
+        return b"".join(chunks)
+
+    def parse_json(raw: bytes) -> object:
         try:
-            body = json.loads(b"".join(chunks))
+            body = json.loads(raw)
         except RecursionError as e:  # the parser recursed past Python's limit
             raise APIError("the request body is nested too deeply to parse", param="body") from e
         except (ValueError, UnicodeDecodeError) as e:
@@ -130,8 +149,13 @@ def build_app(
 
     async def handle(request, kind: str):
         check_key(request)
-        body = await read_json(request)
-        parsed = (parse_chat if kind == "chat" else parse_completion)(body, served)
+        raw = await read_body(request)
+        parse = parse_chat if kind == "chat" else parse_completion
+        try:  # JSON, the chat template and tokenization take time with size: a worker thread runs them
+            parsed = await pool.run(lambda: parse(parse_json(raw), served))
+        except QueueFullError as e:
+            raise APIError(str(e), 503, type="server_overloaded", code="queue_full") from e
+        del raw
         rid = new_id(kind)
         streams = submit(parsed, rid)
         created = int(time.time())
