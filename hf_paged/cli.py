@@ -7,17 +7,15 @@ and exit code 2.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
 import os
-import socket
 import sys
 import time
 
-
-class UsageError(Exception):
-    """Bad command-line input: reported in one line, exit code 2."""
+from hf_paged.cli_checks import (  # noqa: F401 - _chat_messages re-exported
+    UsageError, _chat_messages, check_model_folder, check_port, read_conversations,
+)
 
 
 def _load(args):
@@ -47,66 +45,6 @@ def _params(args):
         raise UsageError(message) from e
 
 
-def _check_model_folder(path: str | None) -> None:
-    if path is None:
-        return
-    if not os.path.isdir(path):
-        raise UsageError(f"--model {path!r}: no such folder (give a local transformers model folder)")
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        raise UsageError(f"--model {path!r} is not a transformers model folder (it has no config.json)")
-    try:
-        with open(config, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"--model {path!r}: config.json is not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise UsageError(f"--model {path!r}: config.json must hold a JSON object, got {type(data).__name__}")
-    if not any(_is_weights_file(name) for name in os.listdir(path)):
-        raise UsageError(f"--model {path!r} has no weights (no *.safetensors or pytorch_model*.bin file): "
-                         "give a folder written by save_pretrained")
-
-
-def _is_weights_file(name: str) -> bool:
-    """A name transformers may load weights from (the loader itself gives the exact error for the rest)."""
-    return name.endswith((".safetensors", ".safetensors.index.json")) or (
-        name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json"))
-    )
-
-
-def _chat_messages(messages) -> list[dict]:
-    """Chat messages checked exactly as the server checks them (roles, content parts; "developer" is
-    "system"), raising the server's message."""
-    from hf_paged.serving.protocol import chat_messages
-
-    return chat_messages(messages)
-
-
-def _read_conversations(path: str) -> list[list[dict]]:
-    if not os.path.isfile(path):
-        raise UsageError(f"{path!r}: no such file")
-    from hf_paged.serving.protocol import APIError
-
-    conversations = []
-    with open(path) as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                messages = json.loads(line)["messages"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise UsageError(f"{path}:{number}: expected a JSON object with a 'messages' list ({e})") from e
-            if not isinstance(messages, list) or not messages:
-                raise UsageError(f"{path}:{number}: 'messages' must be a non-empty list of chat messages")
-            try:
-                conversations.append(_chat_messages(messages))
-            except APIError as e:
-                raise UsageError(f"{path}:{number}: {e}") from e
-    if not conversations:
-        raise UsageError(f"{path!r} holds no conversations")
-    return conversations
-
-
 def _as_prompt(tokenizer, text: str, raw: bool):
     if raw or not getattr(tokenizer, "chat_template", None):
         return text
@@ -117,7 +55,7 @@ def _as_prompt(tokenizer, text: str, raw: bool):
 
 def cmd_generate(args) -> int:
     params = _params(args)
-    _check_model_folder(args.model)
+    check_model_folder(args.model)
     from hf_paged import PagedGenerator
 
     model, tokenizer = _load(args)
@@ -136,8 +74,8 @@ def cmd_generate(args) -> int:
 
 def cmd_batch(args) -> int:
     params = _params(args)
-    _check_model_folder(args.model)
-    conversations = _read_conversations(args.file)
+    check_model_folder(args.model)
+    conversations = read_conversations(args.file)
     from hf_paged import PagedGenerator
 
     model, tokenizer = _load(args)
@@ -220,8 +158,8 @@ def _engine_loop(args, max_num_seqs: int):
 
 
 def cmd_serve(args) -> int:
-    _check_model_folder(args.model)
-    _check_port(args.host, args.port)
+    check_model_folder(args.model)
+    check_port(args.host, args.port)
     _require_serve_extra("fastapi", "uvicorn", "prometheus_client")
     from hf_paged.serving.protocol import ServedModel
     from hf_paged.serving.server import build_app, run_server
@@ -243,8 +181,8 @@ def cmd_serve(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    _check_model_folder(args.model)
-    _check_port(args.host, args.port)
+    check_model_folder(args.model)
+    check_port(args.host, args.port)
     _require_serve_extra("gradio")
     params = _params(args)  # checks --temperature, --top-p, --max-tokens before loading
     from hf_paged.ui import ChatDemo
@@ -275,29 +213,6 @@ def _speculative_config(text: str) -> dict:
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from e
     return value
-
-
-def _check_port(host: str, port: int) -> None:
-    """Bind (and free at once) host:port, so a port already taken is found before the model loads."""
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--port must be in [0, 65535], got {port}")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn binds it
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no user
-            probe.bind((host, port))
-    except (socket.gaierror, UnicodeError) as e:
-        raise UsageError(f"--host {host!r}: unknown host ({e})") from e
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise UsageError(f"--port {port}: {host}:{port} is already in use (another server?); "
-                             "stop it or pick another --port") from e
-        if e.errno == errno.EADDRNOTAVAIL:
-            raise UsageError(f"--host {host!r}: not an address of this machine ({e.strerror})") from e
-        if e.errno == errno.EACCES:
-            raise UsageError(f"--port {port}: not allowed to listen on {host}:{port} ({e.strerror}); "
-                             "ports below 1024 need privileges") from e
-        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
 
 
 def _positive_int(text: str) -> int:

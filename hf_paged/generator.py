@@ -16,7 +16,7 @@ from hf_paged.config import EngineConfig
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
 from hf_paged.core.scheduler_output import SchedulerOutput
-from hf_paged.engine_setup import as_prompt_list, eos_token_ids, per_prompt, token_ids
+from hf_paged.engine_setup import eos_token_ids, token_ids
 from hf_paged.executor import Executor, UniProcExecutor
 from hf_paged.executor.setup import check_speculative
 from hf_paged.generator_clients import GeneratorClients
@@ -335,53 +335,6 @@ class PagedGenerator(GeneratorClients):
                 search.error = message
                 self._abort_beam_search(search)
         return self.outputs.process(failed)
-
-    # -- high level ---------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompts: Prompt | abc.Sequence[Prompt],
-        sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        priority: int | abc.Sequence[int] = 0,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt as one continuous batch; outputs come back in input order.
-
-        Args:
-            prompts: A str, a list of str, a list of token ids, a 1-D tensor or NumPy array (one prompt), or a
-                list of token-id lists, tensors or arrays.
-            sampling_params: One SamplingParams for all prompts, or one per prompt. Default: SamplingParams().
-            use_tqdm: Show a progress bar of finished requests.
-            priority: One priority for all prompts, or one per prompt (``scheduling_policy="priority"``).
-        """
-        prompt_list = as_prompt_list(prompts)
-        params_list = per_prompt(sampling_params, len(prompt_list), "sampling params")
-        priorities = per_prompt(priority, len(prompt_list), "priorities")
-        with self._lock:  # every prompt is validated before any is admitted
-            made = [self._make_request(p, sp, None, prio) for p, sp, prio in zip(prompt_list, params_list, priorities)]
-            for request, state in made:
-                self._admit(request, state, queue_outputs=True)
-        ids = [state.request_id for _, state in made]
-        states = [state for _, state in made]
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
-        try:
-            done = 0
-            while done < len(states):
-                if not all(s.finished for s in states):
-                    self.step()
-                now_done = sum(s.finished for s in states)
-                bar.update(now_done - done)
-                done = now_done
-        finally:
-            bar.close()
-            for rid, s in zip(ids, states):
-                if not s.finished:
-                    self.abort(rid)
-        results = [self.outputs.output(s) for s in states]
-        for rid in ids:
-            self._finished_states.pop(rid, None)
-        return results
 
     # -- state --------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -1,4 +1,5 @@
-"""The consuming side of :class:`~hf_paged.generator.PagedGenerator`: streams, queued outputs and beam search.
+"""The consuming side of :class:`~hf_paged.generator.PagedGenerator`: batch ``generate``, streams, queued outputs
+and beam search.
 
 A mixin: these methods drive the engine through its ``step`` and read what the step loop queued per request
 (``outputs``, ``_finished_states``); the engine's state and its step loop stay in ``generator.py``.
@@ -10,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from hf_paged.beam_search import BeamSearch, BeamSearchOutput
-from hf_paged.engine_setup import as_prompt_list, token_ids
+from hf_paged.engine_setup import as_prompt_list, per_prompt, token_ids
 from hf_paged.detokenizer import DeltaTracker, delta_output
 from hf_paged.outputs import RequestOutput
 from hf_paged.sampling_params import BeamSearchParams, SamplingParams
@@ -22,6 +23,52 @@ if TYPE_CHECKING:
 
 class GeneratorClients:
     """The methods that drive ``PagedGenerator`` as its clients: streams, queued outputs, beam search."""
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: int | Sequence[int] = 0,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt as one continuous batch; outputs come back in input order.
+
+        Args:
+            prompts: A str, a list of str, a list of token ids, a 1-D tensor or NumPy array (one prompt), or a
+                list of token-id lists, tensors or arrays.
+            sampling_params: One SamplingParams for all prompts, or one per prompt. Default: SamplingParams().
+            use_tqdm: Show a progress bar of finished requests.
+            priority: One priority for all prompts, or one per prompt (``scheduling_policy="priority"``).
+        """
+        prompt_list = as_prompt_list(prompts)
+        params_list = per_prompt(sampling_params, len(prompt_list), "sampling params")
+        priorities = per_prompt(priority, len(prompt_list), "priorities")
+        with self._lock:  # every prompt is validated before any is admitted
+            made = [self._make_request(p, sp, None, prio) for p, sp, prio in zip(prompt_list, params_list, priorities)]
+            for request, state in made:
+                self._admit(request, state, queue_outputs=True)
+        ids = [state.request_id for _, state in made]
+        states = [state for _, state in made]
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
+        try:
+            done = 0
+            while done < len(states):
+                if not all(s.finished for s in states):
+                    self.step()
+                now_done = sum(s.finished for s in states)
+                bar.update(now_done - done)
+                done = now_done
+        finally:
+            bar.close()
+            for rid, s in zip(ids, states):
+                if not s.finished:
+                    self.abort(rid)
+        results = [self.outputs.output(s) for s in states]
+        for rid in ids:
+            self._finished_states.pop(rid, None)
+        return results
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
