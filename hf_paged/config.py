@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from collections.abc import Sequence
 from typing import Any
 
+from hf_paged.core.prefill_pacer import check_max_itl_ratio
 from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, check_long_prefill_token_threshold
 from hf_paged.kernels import BACKENDS
 from hf_paged.cpu.packed_linear import KIND_NAMES as PACKING_KIND_NAMES
@@ -59,6 +60,11 @@ class EngineConfig:
         long_prefill_token_threshold: With chunked prefill, the longest prefill chunk one sequence gets in a
             step while other sequences are decoding (vLLM's key), so a long prompt that arrives is spread over
             steps and running streams keep a bounded inter-token latency. None or 0: no cap but the budget.
+        max_itl_ratio: With chunked prefill, while sequences decode, the step's prefill tokens (all arriving
+            prompts together) are sized from measured step times so a step takes at most about this multiple
+            of a decode-only step: the running streams' inter-token latency stays within it while a long prompt
+            arrives (at least 4 prompt tokens a step, never above ``long_prefill_token_threshold``). A number
+            > 1; None or 0: no pacing (the threshold alone).
         attention_backend: "auto" (Triton on CUDA; on CPU the native kernel when it builds, else torch),
             "torch", "cpu" or "triton".
         seed: Seed of the engine generator used by sampled requests that bring no seed of their own.
@@ -104,6 +110,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = 256
+    max_itl_ratio: float | None = 3.0
     attention_backend: str = "auto"
     seed: int = 0
     prepack_weights: bool | str | None = None
@@ -128,6 +135,7 @@ class EngineConfig:
         if not isinstance(self.kv_cache_memory_fraction, (int, float)) or not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         check_long_prefill_token_threshold(self.long_prefill_token_threshold)
+        check_max_itl_ratio(self.max_itl_ratio)
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):

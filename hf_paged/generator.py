@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import abc
 
 import torch
@@ -75,7 +76,7 @@ class PagedGenerator(GeneratorClients):
         self.scheduler = Scheduler(
             self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
             cfg.enable_chunked_prefill, cfg.scheduling_policy, cfg.preemption_mode,
-            cfg.long_prefill_token_threshold,
+            cfg.long_prefill_token_threshold, cfg.max_itl_ratio,
         )
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -280,7 +281,9 @@ class PagedGenerator(GeneratorClients):
                 raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")
             return []
         try:
+            started = time.perf_counter()
             result = self.executor.execute_model(out)
+            self.scheduler.observe_step(out, time.perf_counter() - started)
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep the engine usable
             logger.exception("engine step failed; failing the %d sequences it ran", len(out.scheduled))
             return self._fail_step(out, e)

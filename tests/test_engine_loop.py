@@ -355,11 +355,11 @@ def test_chat_demo_speculation_box(prompts):
 
 def test_a_long_prompt_arriving_beside_a_decode_is_chunked_and_exact(model):
     """long_prefill_token_threshold: a 100-token prompt that arrives while another request decodes is prefilled
-    8 tokens a step; both answers equal stock greedy generate."""
+    8 tokens a step (the threshold alone: no pacing); both answers equal stock greedy generate."""
     from tests.helpers import stock_greedy
 
     short, long = make_prompts(2, lengths=[5, 100], seed=3)
-    engine = PagedGenerator(model, num_blocks=256, block_size=4, long_prefill_token_threshold=8)
+    engine = PagedGenerator(model, num_blocks=256, block_size=4, long_prefill_token_threshold=8, max_itl_ratio=None)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     engine.add_request(short, params, request_id="short")
     for _ in range(3):

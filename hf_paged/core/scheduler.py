@@ -11,7 +11,9 @@ step, in order and under a token budget and a sequence cap:
 
 While a sequence is decoding, no other sequence gets a prefill chunk (prompt, or a recompute) longer than
 ``long_prefill_token_threshold`` tokens in a step, so a long prompt that arrives is spread over several
-steps and the running streams' inter-token latency stays bounded (vLLM's key of the same name).
+steps and the running streams' inter-token latency stays bounded (vLLM's key of the same name). With
+``max_itl_ratio``, the step's prefill tokens while others decode are also held to what the measured step times
+say fits that multiple of a decode-only step (:mod:`hf_paged.core.prefill_pacer`).
 
 Scheduling order is arrival (``scheduling_policy="fcfs"``) or ``(priority, arrival)`` with lower values
 first (``"priority"``, vLLM's convention); the victim of a preemption is always the last in that order.
@@ -24,6 +26,7 @@ import itertools
 import time
 
 from hf_paged.core.kv_cache_manager import KVCacheManager
+from hf_paged.core.prefill_pacer import PrefillPacer, check_max_itl_ratio
 from hf_paged.core.scheduler_output import NewSequenceData, ScheduledSequence, SchedulerOutput
 from hf_paged.core.scheduler_update import SchedulerUpdate
 from hf_paged.core.waiting_queue import WaitingQueue
@@ -59,6 +62,9 @@ class Scheduler(SchedulerUpdate):
             (swap the members of a group, i.e. n > 1 samples and beams, recompute single sequences).
         long_prefill_token_threshold: With chunked prefill, the longest prefill chunk one sequence gets in a
             step while another sequence is decoding. None or 0: no cap beyond the step's budget.
+        max_itl_ratio: While a sequence is decoding, the step's prefill tokens (all sequences together) are
+            held to what fits this multiple of a decode-only step's time, as measured by :meth:`observe_step`
+            (at least ``PrefillPacer.min_chunk``). None or 0: no pacing.
 
     Speculative decoding is per request (``Sequence.spec_key`` and friends): a decoding sequence with drafts
     (from the runner's previous output) runs ``1 + len(drafts)`` tokens, drafts cut to the budget and dropped
@@ -76,6 +82,7 @@ class Scheduler(SchedulerUpdate):
         scheduling_policy: str = "fcfs",
         preemption_mode: str = "recompute",
         long_prefill_token_threshold: int | None = None,
+        max_itl_ratio: float | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -86,6 +93,8 @@ class Scheduler(SchedulerUpdate):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         self.long_prefill_token_threshold = check_long_prefill_token_threshold(long_prefill_token_threshold)
+        ratio = check_max_itl_ratio(max_itl_ratio)
+        self.pacer = PrefillPacer(ratio) if ratio else None
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -102,6 +111,7 @@ class Scheduler(SchedulerUpdate):
         self._finished_since_schedule: list[int] = []
         self._queued = 0  # sequences queued at the start of this step (speculation's batch limit)
         self._prefill_cap = 0  # this step's cap on one sequence's prefill chunk (0: none)
+        self._prefill_room: int | None = None  # prefill tokens left this step while others decode (None: no cap)
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_prompt_tokens = 0  # of requests admitted (first admission only)
         self.num_generated_tokens = 0
@@ -180,7 +190,7 @@ class Scheduler(SchedulerUpdate):
         out = SchedulerOutput(finished_seq_ids=self._finished_since_schedule)
         self._finished_since_schedule = []
         self._queued = len(self.running) + len(self.waiting) + len(self.swapped)
-        self._prefill_cap = self._step_prefill_cap()
+        self._prefill_cap, self._prefill_room = self._step_prefill_caps()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_seq_ids:  # a step that had to preempt has no room to bring anyone in
             budget = self._schedule_swapped(out, budget)
@@ -204,7 +214,10 @@ class Scheduler(SchedulerUpdate):
             if num_new == 0:  # a beam waiting for the beam search to pick its next token
                 i += 1
                 continue
-            num_new = min(self._cap_prefill(num_new), budget)
+            num_new = self._cap_prefill(num_new, budget)
+            if num_new == 0:  # no prefill room left this step
+                i += 1
+                continue
             # drafts only on a plain decode, cut to the budget (never during prefill chunks)
             drafts = []
             if num_new == 1 and request.spec_token_ids and self._speculates(request):
@@ -229,24 +242,41 @@ class Scheduler(SchedulerUpdate):
                 i += 1
         return budget
 
-    def _step_prefill_cap(self) -> int:
-        """The cap on one sequence's prefill chunk this step: the threshold while a sequence is decoding (it has
-        output and at most its last token, or a beam's, to compute), with chunked prefill on; else 0 (none)."""
-        limit = self.long_prefill_token_threshold
-        if not limit or not self.enable_chunked_prefill:
-            return 0
-        decoding = any(r.output_token_ids and r.num_tokens - r.num_computed_tokens <= 1 for r in self.running)
-        return limit if decoding else 0
+    def _step_prefill_caps(self) -> tuple[int, int | None]:
+        """This step's caps while a sequence is decoding (it has output and at most its last token, or a beam's,
+        to compute), with chunked prefill on: one sequence's prefill chunk (the threshold; 0: none) and the
+        prefill tokens of all sequences together (the pacer's; None: none). No caps when nothing decodes."""
+        if not self.enable_chunked_prefill or not (self.long_prefill_token_threshold or self.pacer):
+            return 0, None
+        if not any(r.output_token_ids and r.num_tokens - r.num_computed_tokens <= 1 for r in self.running):
+            return 0, None
+        return self.long_prefill_token_threshold, self.pacer.cap() if self.pacer else None
 
-    def _cap_prefill(self, num_new: int) -> int:
-        return min(num_new, self._prefill_cap) if self._prefill_cap and num_new > 1 else num_new
+    def _cap_prefill(self, num_new: int, budget: int) -> int:
+        """A sequence's tokens this step: ``num_new`` within the budget and, for a prefill chunk, the caps."""
+        num_new = min(num_new, budget)
+        if num_new <= 1:
+            return num_new
+        if self._prefill_cap:
+            num_new = min(num_new, self._prefill_cap)
+        if self._prefill_room is not None:
+            num_new = min(num_new, self._prefill_room)
+            self._prefill_room -= num_new
+        return num_new
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Tell the pacer how long ``out`` took to run (no-op without ``max_itl_ratio``)."""
+        if self.pacer is None:
+            return
+        rows = [len(s.token_ids) - s.num_draft_tokens for s in out.scheduled]
+        self.pacer.observe(seconds, sum(1 for n in rows if n == 1), sum(n for n in rows if n > 1))
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while budget > 0 and len(out.scheduled) < self.max_num_seqs:
             request = next((r for r in self.swapped if not r.parked), None)
             if request is None:
                 break
-            num_new = min(self._cap_prefill(request.num_tokens - request.num_computed_tokens), budget)
+            num_new = self._cap_prefill(request.num_tokens - request.num_computed_tokens, budget)
             extra = self.kv.blocks_for_tokens(request.num_computed_tokens + num_new) - len(
                 self.kv.host_tables[request.seq_id]
             )
@@ -288,7 +318,9 @@ class Scheduler(SchedulerUpdate):
             num_new = request.num_tokens - num_computed
             if num_new > budget and not self.enable_chunked_prefill and not request.output_token_ids:
                 break  # a prompt runs whole when chunking is off (a recompute may span steps)
-            num_new = min(self._cap_prefill(num_new), budget)
+            num_new = self._cap_prefill(num_new, budget)
+            if num_new == 0:  # no prefill room left this step
+                break
             if self.kv.allocate_slots(
                 request.seq_id, num_computed, num_new, cached, hashes, self._lookahead(out, request, num_new, num_computed)
             ) is None:
