@@ -101,6 +101,30 @@ def test_native_kernel_head_dims_and_work_split(head_dim, num_seqs):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window, softcap", [(None, None), (37, None), (None, 5.0)])
+def test_native_kernel_splits_long_sequences_into_key_ranges(dtype, block_size, window, softcap):
+    """One or two long sequences (fewer work items than 2x threads): each item's keys are split into ranges
+    computed apart and merged (their softmax maxima and sums rescaled); decode, a prompt chunk over a long
+    prefix, and rows whose every key of some range is masked (sliding window, causal chunk)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # the split depends on the thread count: make it happen on any host
+    try:
+        for seq_lens, q_lens in (([300], [1]), ([300], [16]), ([290, 130], [1, 9]), ([257], [40])):
+            case = make_case(seq_lens, q_lens, num_heads=6, num_kv_heads=2, head_dim=64, block_size=block_size,
+                             dtype=dtype, seed=len(seq_lens) + q_lens[0])
+            plan = TorchAttentionPlan.build(case.block_tables, case.seq_lens, case.cu_seqlens_q, block_size,
+                                            native_max_q=64)
+            assert plan.native_seq_ids is not None and not plan.groups
+            want = paged_attention_reference(*case.args(), sliding_window=window, softcap=softcap)
+            got = paged_attention(*case.args(), sliding_window=window, softcap=softcap, backend="cpu", plan=plan)
+            tol = 2e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_native_and_sdpa_groups_share_one_step():
     case = make_case(*SHAPES["long_prefill_and_decodes"], num_heads=4, num_kv_heads=2, block_size=4)
     plan = TorchAttentionPlan.build(case.block_tables, case.seq_lens, case.cu_seqlens_q, 4, native_max_q=16)
@@ -201,6 +225,15 @@ def test_native_kernel_narrower_vector_paths(isa_flags, monkeypatch):
         want = paged_attention_reference(*case.args())
         got = paged_attention(*case.args(), backend="cpu")
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # a long sequence's keys split into ranges and merged (see the test above)
+    try:
+        case = make_case([300], [3], num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, seed=7)
+        want = paged_attention_reference(*case.args(), sliding_window=100)
+        got = paged_attention(*case.args(), sliding_window=100, backend="cpu")
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

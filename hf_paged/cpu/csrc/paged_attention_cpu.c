@@ -365,6 +365,27 @@ int hfp_paged_attention(
     const int64_t tok_stride = (int64_t)num_kv_heads * head_dim; /* elements between consecutive slots */
     const size_t block_bytes = (size_t)block_size * tok_stride * (dtype == DT_F32 ? 4 : 2);
     int failed = 0;
+    /* Few items for the threads (one or two long sequences: a batch-1 decode, a prompt chunk at long
+     * context): each item's keys are split into `parts` ranges of at least PART_BLOCKS blocks, computed as
+     * separate work with their own softmax state and merged after (flash-decoding). Otherwise 3 items on 2
+     * threads leave one thread idle a third of the time. */
+    enum { PART_BLOCKS = 8 };
+    int parts = 1;
+    if (n_items < 2 * (int64_t)num_threads) {
+        int max_blocks = 0;
+        for (int i = 0; i < n_seq_ids; ++i) {
+            const int nb = (seq_lens[seq_ids[i]] + block_size - 1) / block_size;
+            max_blocks = nb > max_blocks ? nb : max_blocks;
+        }
+        parts = (int)((2 * (int64_t)num_threads + n_items - 1) / n_items);
+        if (parts > max_blocks / PART_BLOCKS) parts = max_blocks / PART_BLOCKS;
+        if (parts < 1) parts = 1;
+    }
+    const int64_t n_work = n_items * parts;
+    /* per (item, part): the rows' accumulators, then their running max and sum */
+    const size_t part_floats = (size_t)max_rows * (head_dim + 2);
+    float* partial = parts > 1 ? (float*)malloc((size_t)n_work * part_floats * sizeof(float)) : NULL;
+    if (parts > 1 && partial == NULL) return -1;
 
 #pragma omp parallel num_threads(num_threads)
     {
@@ -402,8 +423,10 @@ int hfp_paged_attention(
          * two long sequences among short ones) */
         const int nthr = omp_get_num_threads();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < n_items; ++it) {
+        for (int64_t w = 0; w < n_work; ++w) {
             if (scratch == NULL) continue;
+            const int64_t it = w / parts;
+            const int part = (int)(w % parts);
             const int s = seq_ids[it / splits];
             const int h_lo = (int)(it % splits) * heads_per_item;
             const int seq_len = seq_lens[s];
@@ -430,8 +453,14 @@ int hfp_paged_attention(
             memset(acc, 0, (size_t)rows * head_dim * sizeof(float));
 
             const int k_lo = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
-            const int last_block = (seq_len - 1) / block_size;
-            for (int jb = k_lo / block_size; jb <= last_block; ++jb) {
+            int jb_lo = k_lo / block_size, last_block = (seq_len - 1) / block_size;
+            if (parts > 1) { /* this part's share of the item's blocks (maybe none) */
+                const int n_blocks = last_block - jb_lo + 1;
+                const int lo = jb_lo + (int)((int64_t)n_blocks * part / parts);
+                last_block = jb_lo + (int)((int64_t)n_blocks * (part + 1) / parts) - 1;
+                jb_lo = lo;
+            }
+            for (int jb = jb_lo; jb <= last_block; ++jb) {
                 const int64_t block = block_tables[(int64_t)s * bt_stride + jb];
                 const int t0 = jb * block_size;
                 const int nt = seq_len - t0 < block_size ? seq_len - t0 : block_size;
@@ -443,7 +472,7 @@ int hfp_paged_attention(
                     const size_t next = (size_t)block_tables[(int64_t)s * bt_stride + jb + 1] * block_bytes;
                     pf_k = (const char*)k_cache + next, pf_v = (const char*)v_cache + next;
                 }
-                else if (it + nthr < n_items) {
+                else if (w + nthr < n_work && parts == 1) {
                     const int s2 = seq_ids[(it + nthr) / splits];
                     const int64_t first = block_tables[(int64_t)s2 * bt_stride]; /* (a sliding window may start later) */
                     if (seq_lens[s2] > 0 && first >= 0) {
@@ -547,6 +576,13 @@ int hfp_paged_attention(
                 }
             }
 
+            if (parts > 1) { /* keep this part's state; the parts are merged below */
+                float* dst = partial + (size_t)w * part_floats;
+                memcpy(dst, acc, (size_t)rows * head_dim * sizeof(float));
+                memcpy(dst + (size_t)max_rows * head_dim, m, (size_t)rows * sizeof(float));
+                memcpy(dst + (size_t)max_rows * (head_dim + 1), l, (size_t)rows * sizeof(float));
+                continue;
+            }
             // -- normalize and write out --
             for (int hh = 0, r = 0; hh < heads_per_item; ++hh)
                 for (int i = 0; i < q_len; ++i)
@@ -556,8 +592,44 @@ int hfp_paged_attention(
                         store_row(out, idx, head_dim, dtype, acc + (size_t)r * head_dim, l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
                     }
         }
+        if (parts > 1) { /* (every thread reaches this worksharing loop) */
+            /* merge each item's parts: rescale every part's sums to the rows' overall max, add, normalize */
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < n_items; ++it) {
+                if (scratch == NULL) continue;
+                const int s = seq_ids[it / splits];
+                const int h_lo = (int)(it % splits) * heads_per_item;
+                const int q0 = cu_seqlens_q[s];
+                const int q_len = cu_seqlens_q[s + 1] - q0;
+                if (q_len <= 0 || q_len > max_q) continue;
+                for (int hh = 0, r = 0; hh < heads_per_item; ++hh)
+                    for (int i = 0; i < q_len; ++i)
+                        for (int g = 0; g < rep; ++g, ++r) {
+                            float mx = -INFINITY, sum = 0.0f;
+                            for (int p = 0; p < parts; ++p) {
+                                const float* src = partial + (size_t)(it * parts + p) * part_floats;
+                                const float mp = src[(size_t)max_rows * head_dim + r];
+                                if (src[(size_t)max_rows * (head_dim + 1) + r] > 0.0f && mp > mx) mx = mp;
+                            }
+                            memset(acc, 0, (size_t)head_dim * sizeof(float));
+                            for (int p = 0; p < parts; ++p) {
+                                const float* src = partial + (size_t)(it * parts + p) * part_floats;
+                                const float lp = src[(size_t)max_rows * (head_dim + 1) + r];
+                                if (!(lp > 0.0f)) continue;
+                                const float c = exp_nonpos(src[(size_t)max_rows * head_dim + r] - mx);
+                                sum += lp * c;
+                                const float* ap = src + (size_t)r * head_dim;
+                                for (int d = 0; d < head_dim; ++d) acc[d] += ap[d] * c;
+                            }
+                            const int head = (h_lo + hh) * rep + g;
+                            const int64_t idx = (int64_t)(q0 + i) * o_stride_t + (int64_t)head * o_stride_h;
+                            store_row(out, idx, head_dim, dtype, acc, sum > 0.0f ? 1.0f / sum : 0.0f);
+                        }
+            }
+        }
         free(kp);
     }
+    free(partial);
     return failed ? -1 : 0;
 }
 
