@@ -255,6 +255,12 @@ def _spec(**kw):
     return spec(**kw)
 
 
+def _structured(**kw):
+    from hf_paged.bench.structured import structured
+
+    return structured(**kw)
+
+
 def _host(**kw):
     from hf_paged.bench.host import host
 
@@ -263,4 +269,5 @@ def _host(**kw):
 
 WORKLOADS = {
     "chat": chat, "mixed": mixed, "latency": latency, "prefix": prefix, "spec": _spec, "serve": serve, "host": _host,
+    "structured": _structured,
 }
