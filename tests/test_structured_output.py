@@ -215,3 +215,26 @@ def test_masks_allow_exactly_what_the_matcher_accepts(engine, tok):
     rows = matchers.mask_verify(torch.zeros(3, engine.vocab_size), [7], [[a, z]])
     assert rows[0, a].isfinite() and not rows[1, z].isfinite()
     assert matchers.matchers[7].accept_token(a)  # the walk over the drafts was rolled back
+
+
+@pytest.mark.slow
+def test_default_model_fifty_records_all_validate():
+    """The issue's target on the real default model: 50 requests for a record of a schema, 50/50 valid; a
+    regex and a choice likewise."""
+    from hf_paged.bench.structured import RECORD_SCHEMA, record_prompts
+    from hf_paged.default_model import load_default
+
+    model, tok = load_default()
+    prompts = record_prompts(tok, 50)
+    with PagedGenerator(model, tok, max_num_seqs=50) as eng:
+        params = [SamplingParams(max_tokens=128, temperature=0.7, seed=i,
+                                 structured_outputs=StructuredOutputsParams(json=RECORD_SCHEMA)) for i in range(50)]
+        outs = eng.generate(prompts, params, use_tqdm=False)
+        for o in outs:
+            jsonschema.validate(json.loads(o.outputs[0].text), RECORD_SCHEMA)
+        date = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"
+        outs = eng.generate(prompts, structured(max_tokens=16, temperature=0.7, regex=date), use_tqdm=False)
+        assert all(re.fullmatch(date, t) for t in texts(outs))
+        choices = ["Paris", "Lagos", "somewhere else"]
+        outs = eng.generate(prompts, structured(max_tokens=16, temperature=0.7, choice=choices), use_tqdm=False)
+        assert all(t in choices for t in texts(outs))
