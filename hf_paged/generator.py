@@ -144,7 +144,7 @@ class PagedGenerator(GeneratorClients):
                 the server refuses it.
         """
         if sampling_params is not None and getattr(sampling_params, "structured_outputs", None) is not None:
-            sampling_params = self._compile_structured(sampling_params)  # before the lock: steps go on meanwhile
+            sampling_params = self.prepare_structured(sampling_params)  # before the lock: steps go on meanwhile
         with self._lock:
             request, state = self._make_request(
                 prompt, sampling_params, request_id, priority, tokenizer, return_scores, speculative_config,
@@ -165,7 +165,7 @@ class PagedGenerator(GeneratorClients):
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}")
         if params.structured_outputs is not None:
-            params = self._compile_structured(params)
+            params = self.prepare_structured(params)
         ids, text = token_ids(prompt, self.tokenizer, self.vocab_size)
         rid = str(next(self._ids)) if request_id is None else request_id
         if not isinstance(rid, str):
@@ -198,7 +198,7 @@ class PagedGenerator(GeneratorClients):
             state.scores = {}
         return request, state
 
-    def _compile_structured(self, params: SamplingParams) -> SamplingParams:
+    def prepare_structured(self, params: SamplingParams) -> SamplingParams:
         """``params`` with its structured-output grammar compiled (once per distinct spec), on this thread."""
         from hf_paged.structured.compiler import GrammarCompilerCache, prepare_params
 
