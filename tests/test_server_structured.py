@@ -103,6 +103,9 @@ def test_tool_choice_named_and_required(client):
             tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
             jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
+    r = chat(client, n=3, max_tokens=300, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    assert all(c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1 for c in r.choices)
+
     # "none": the tools are ignored and the answer is text
     r = chat(client, max_tokens=5, tools=[WEATHER], tool_choice="none")
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
@@ -145,6 +148,11 @@ BAD = [
     ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools[0]", "function"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"functions": [WEATHER["function"]]}, "functions", "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls", "boolean"),
+    ({"use_beam_search": True}, "use_beam_search", "not supported"),
+    ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs", "not supported"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
+    ({"reasoning_effort": "high"}, "reasoning_effort", "not supported"),
 ]
 
 
@@ -158,11 +166,15 @@ def test_bad_constraints_are_400s_before_admission_and_others_are_unaffected(ser
             answers = [await http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 8, **body})
                        for body, _, _ in BAD]
             answers.append(await http.post("/v1/completions", json={"prompt": "x", "tools": [WEATHER]}))
+            answers.append(await http.post("/v1/completions", json={"prompt": "x", "allowed_token_ids": [1, 2]}))
+            ignored = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "user": "u",
+                                                               "metadata": {"a": "b"}, "skip_special_tokens": True})
+            assert ignored.status_code == 200, ignored.text  # fields that change nothing are accepted
             return await good, answers
 
     good, answers = asyncio.run(main())
     jsonschema.validate(json.loads(good.json()["choices"][0]["message"]["content"]), SCHEMA)
-    expected = BAD + [(None, "tools", "chat")]
+    expected = BAD + [(None, "tools", "chat"), (None, "allowed_token_ids", "not supported")]
     for r, (body, param, words) in zip(answers, expected):
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]

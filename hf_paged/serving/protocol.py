@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hf_paged.sampling_params import MAX_SEED, SamplingParams
+from hf_paged.serving.request_fields import check_unhonoured
 from hf_paged.serving.structured import ToolMode, parse_structured, template_takes_tools
 
 MAX_LOGPROBS = 20
@@ -215,6 +216,7 @@ def parse_completion(body: Any, served: ServedModel) -> ParsedRequest:
     """Check a ``/v1/completions`` body; prompts may be a string, a list of strings, token ids or lists of them."""
     body = _object(body)
     model, kw, stream, include_usage, priority = _common(body, served)
+    check_unhonoured(body, "completion")
     _unsupported(body, "echo", (None, False))
     _unsupported(body, "suffix", (None, ""))
     best_of = _int(body, "best_of", None, 1)
@@ -271,6 +273,7 @@ def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
     """Check a ``/v1/chat/completions`` body and apply the model's chat template."""
     body = _object(body)
     model, kw, stream, include_usage, priority = _common(body, served)
+    check_unhonoured(body, "chat")
     _unsupported(body, "audio", (None, []))
     _unsupported(body, "modalities", (None, ["text"]))
     kw["structured_outputs"], structured_param, tools = parse_structured(body, "chat", served.tokenizer)

@@ -8,7 +8,8 @@ Request fields (each a 400 naming it when malformed; at most one of them per req
   (an object with one of ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``);
 - chat only: ``tools`` with ``tool_choice`` ``"required"`` (the output is a JSON array of ``{"name",
   "parameters"}`` calls to the given functions) or ``{"type": "function", "function": {"name"}}`` (the output
-  is that function's arguments, valid under its ``parameters`` schema); ``"none"`` ignores the tools;
+  is that function's arguments, valid under its ``parameters`` schema; ``parallel_tool_calls: false``: one
+  call); ``"none"`` ignores the tools;
   ``"auto"`` (the default with tools) needs a chat template that takes tools and is otherwise a 400.
 """
 
@@ -161,6 +162,11 @@ def _tools(body: dict, tokenizer) -> tuple[ToolMode | None, StructuredOutputsPar
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, f in functions.items()]
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        parallel = body.get("parallel_tool_calls")
+        if parallel not in (None, True, False):
+            raise _error(f"parallel_tool_calls must be a boolean, got {parallel!r}", "parallel_tool_calls")
+        if parallel is False:
+            schema["maxItems"] = 1
         return ToolMode(list(functions), None, template_tools), _make("tools", json=schema)
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
