@@ -238,3 +238,26 @@ def test_default_model_fifty_records_all_validate():
         choices = ["Paris", "Lagos", "somewhere else"]
         outs = eng.generate(prompts, structured(max_tokens=16, temperature=0.7, choice=choices), use_tqdm=False)
         assert all(t in choices for t in texts(outs))
+
+
+def test_chat_demo_json_schema_box(tok):
+    """The demo's "JSON schema" box constrains the answer; an invalid schema is a message in the chat."""
+    from hf_paged import AsyncPagedEngine
+    from hf_paged.ui.chat import ERROR_PREFIX, ChatDemo
+
+    loop = AsyncPagedEngine(PagedGenerator(tiny_chat_model(tok), tok, num_blocks=256, max_num_seqs=4))
+    try:
+        demo = ChatDemo(loop)
+        *_, (shown, conversation, _) = demo.respond("a record", [], "", 0.0, 1.0, 64, "s1", None, json.dumps(SCHEMA))
+        jsonschema.validate(json.loads(shown[-1]["content"]), SCHEMA)
+        assert conversation[-1]["content"] == shown[-1]["content"]
+        for box, words in (('{"type": "nope"}', "invalid JSON schema"), ("{not json", "not valid JSON"),
+                           ("[1]", "JSON object")):
+            *_, (shown, conversation, _) = demo.respond("a record", [], "", 0.0, 1.0, 64, "s1", None, box)
+            assert shown[-1]["content"].startswith(ERROR_PREFIX) and words in shown[-1]["content"], box
+            assert conversation == [{"role": "user", "content": "a record"}]
+        *_, (shown, _, _) = demo.respond("hi", [], "", 0.0, 1.0, 4, "s1", None, "  ")  # empty box: free text
+        assert shown[-1]["content"] and not shown[-1]["content"].startswith(ERROR_PREFIX)
+        assert loop.call(lambda e: e.kv_manager.num_used_blocks).result(10) == 0
+    finally:
+        loop.shutdown()
