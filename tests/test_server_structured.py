@@ -140,8 +140,8 @@ BAD = [
     ({"structured_outputs": {"json_schema": SCHEMA}}, "structured_outputs", "unknown"),
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),
     ({"guided_json": SCHEMA, "min_tokens": 2}, "min_tokens", "min_tokens"),
-    ({"tools": [WEATHER]}, "tools", "'auto' is not supported"),
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "'auto' is not supported"),
+    ({"tools": [WEATHER]}, "tools", "<tool_call> tags"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "<tool_call> tags"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bad"}}}],
       "tool_choice": "required"}, "tools", "invalid JSON schema"),
@@ -180,3 +180,45 @@ def test_bad_constraints_are_400s_before_admission_and_others_are_unaffected(ser
         err = r.json()["error"]
         assert err["param"] == param and words in err["message"], (body, err)
     assert used_blocks(loop) == 0 and loop.num_live_requests == 0
+
+
+HERMES = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions:\n<tools>\n{% for t in tools %}"
+    "{{ t | tojson }}\n{% endfor %}</tools>\nAnswer a call as <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call><|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hermes_server():
+    """A tokenizer whose chat template takes tools and marks calls with <tool_call> tags (Hermes / Qwen)."""
+    tok = default_tokenizer()
+    tok.chat_template = HERMES
+    with serve(tiny_chat_model(tok), tok, TINY_NAME, max_num_seqs=4) as (url, loop):
+        yield url, loop, tok
+
+
+def test_tool_choice_auto_with_a_template_that_takes_tools(hermes_server):
+    """"auto": the tools reach the template; <tool_call> blocks in the answer become tool_calls, and an answer
+    without them is content. The random model is steered into a call by a regex, as a model would choose one."""
+    from hf_paged.serving.protocol import ServedModel, parse_chat
+
+    url, loop, tok = hermes_server
+    parsed = parse_chat({"messages": CHAT, "tools": [WEATHER]}, ServedModel(TINY_NAME, tok, 512, 4))
+    assert "get_weather" in tok.decode(parsed.prompts[0]) and parsed.params.structured_outputs is None
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}</tool_call>'
+    r = chat(client, tools=[WEATHER, TIME], extra_body={"guided_regex": "Sure\\. " + re.escape(call)})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Sure."
+    assert c.message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(c.message.tool_calls[0].function.arguments) == {"city": "Oslo", "unit": "C"}
+    chunks = list(chat(client, stream=True, max_tokens=200, tools=[WEATHER], tool_choice="auto",
+                       extra_body={"guided_regex": re.escape(call + call)}, parallel_tool_calls=False))
+    calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    r = chat(client, max_tokens=4, tools=[WEATHER], tool_choice="auto")  # no call: the answer is text
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    r = chat(client, tools=[WEATHER], extra_body={"guided_regex": re.escape(call.replace("get_weather", "nope"))})
+    assert r.choices[0].message.tool_calls is None and "nope" in r.choices[0].message.content  # unknown: text

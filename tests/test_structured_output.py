@@ -75,7 +75,7 @@ def test_json_object_regex_choice_and_grammar(engine):
     pattern = r"[a-z]{2,4}-\d{3}"
     for text in texts(engine.generate(PROMPTS, structured(temperature=1.0, regex=pattern), use_tqdm=False)):
         assert re.fullmatch(pattern, text), text
-    choices = ["red", "green", "blue sky"]
+    choices = ["red", "green", "blue sky", 'say "hi"\n', "(.*)"]
     for text in texts(engine.generate(PROMPTS, structured(temperature=1.0, choice=choices), use_tqdm=False)):
         assert text in choices
     grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'

@@ -10,18 +10,22 @@ Request fields (each a 400 naming it when malformed; at most one of them per req
   "parameters"}`` calls to the given functions) or ``{"type": "function", "function": {"name"}}`` (the output
   is that function's arguments, valid under its ``parameters`` schema; ``parallel_tool_calls: false``: one
   call); ``"none"`` ignores the tools;
-  ``"auto"`` (the default with tools) needs a chat template that takes tools and is otherwise a 400.
+  ``"auto"`` (the default with tools) lets the model choose, where its chat template takes tools and marks calls
+  with ``<tool_call>`` tags (Hermes / Qwen style): the answer's ``<tool_call>{"name", "arguments"}</tool_call>``
+  blocks become ``tool_calls``; with any other template it is a 400.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from hf_paged.structured_params import KINDS, StructuredOutputsParams
 
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -38,11 +42,15 @@ class ToolMode:
     names: list[str]
     named: str | None = None  # tool_choice named this function: the whole output is its arguments
     template_tools: list[dict] = field(default_factory=list)  # the tools as the chat template takes them
+    auto: bool = False  # the model chose: calls are its <tool_call> blocks, the rest is content
+    single: bool = False  # parallel_tool_calls=false: at most one call
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The assistant message (``tool_calls``, no content) and the finish reason for this output text."""
         if finish_reason != "stop":  # cut short (length, abort): not a complete call
             return {"role": "assistant", "content": text}, finish_reason
+        if self.auto:
+            return self._auto_message(text, finish_reason)
         if self.named is not None:
             calls = [(self.named, text)]
         else:
@@ -54,13 +62,32 @@ class ToolMode:
                        "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
         return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
 
+    def _auto_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        calls = []
+        for block in _TOOL_CALL.findall(text):
+            try:
+                call = json.loads(block)
+                name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return {"role": "assistant", "content": text}, finish_reason  # not a well-formed call: text
+            if name not in self.names:
+                return {"role": "assistant", "content": text}, finish_reason
+            calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {
+                "name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        calls = calls[:1] if self.single else calls
+        rest = _TOOL_CALL.sub("", text).strip()
+        return {"role": "assistant", "content": rest or None, "tool_calls": calls}, "tool_calls"
+
     def delta(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """A streamed chunk's delta carrying the whole calls (sent once, when the output is complete)."""
         message, reason = self.message(text, finish_reason)
         message.pop("role")
         if message.get("tool_calls"):
             message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-            message.pop("content")
+            if message["content"] is None:
+                message.pop("content")
         return message, reason
 
 
@@ -152,19 +179,21 @@ def _tools(body: dict, tokenizer) -> tuple[ToolMode | None, StructuredOutputsPar
     if choice == "none":
         return None, None
     template_tools = [{"type": "function", "function": f} for f in functions.values()]
+    parallel = body.get("parallel_tool_calls")
+    if parallel not in (None, True, False):
+        raise _error(f"parallel_tool_calls must be a boolean, got {parallel!r}", "parallel_tool_calls")
     if choice == "auto":
-        raise _error("tool_choice 'auto' is not supported by this server: it needs a model whose chat template "
-                     "takes tools and a parser of its tool-call format; use tool_choice 'required' or "
-                     "{'type': 'function', 'function': {'name': ...}}, which constrain the output to a call",
-                     choice_param, "unsupported_parameter")
+        if not template_takes_tools(tokenizer) or "<tool_call>" not in tokenizer.chat_template:
+            raise _error("tool_choice 'auto' needs a chat template that takes tools and marks calls with "
+                         "<tool_call> tags (Hermes / Qwen style); this model's does not. Use tool_choice 'required' "
+                         "or {'type': 'function', 'function': {'name': ...}}, which constrain the output to a call",
+                         choice_param, "unsupported_parameter")
+        return ToolMode(list(functions), None, template_tools, auto=True, single=parallel is False), None
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": f["parameters"]},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, f in functions.items()]
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-        parallel = body.get("parallel_tool_calls")
-        if parallel not in (None, True, False):
-            raise _error(f"parallel_tool_calls must be a boolean, got {parallel!r}", "parallel_tool_calls")
         if parallel is False:
             schema["maxItems"] = 1
         return ToolMode(list(functions), None, template_tools), _make("tools", json=schema)

@@ -92,8 +92,9 @@ class GrammarCompilerCache:
                 return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
                 return self.compiler.compile_regex(params.regex)
-            if kind == "choice":
-                return self.compiler.compile_regex("|".join(re.escape(c) for c in params.choice))
+            if kind == "choice":  # literals of an EBNF rule (JSON string escapes are EBNF's)
+                literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+                return self.compiler.compile_grammar(f"root ::= {literals}")
             return self.compiler.compile_grammar(params.grammar)
         except ValueError:
             raise
