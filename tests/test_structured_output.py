@@ -261,3 +261,15 @@ def test_chat_demo_json_schema_box(tok):
         assert loop.call(lambda e: e.kv_manager.num_used_blocks).result(10) == 0
     finally:
         loop.shutdown()
+
+
+def test_logprobs_are_the_models_unmasked_distribution(engine):
+    """Masking happens in place only when no row needs its raw logits: logprobs stay the model's own."""
+    free = engine.generate(["Hi"], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5), use_tqdm=False)[0]
+    params = structured(max_tokens=4, json=SCHEMA)
+    both = engine.generate(["Hi", "Hi"], [params.clone(logprobs=5), params], use_tqdm=False)
+    free_first, first = free.outputs[0].logprobs[0], both[0].outputs[0].logprobs[0]
+    for token, logprob in free_first.items():  # the model's top 5, forbidden ones included, unchanged
+        assert first[token] == pytest.approx(logprob)
+    assert free.outputs[0].token_ids[0] != both[0].outputs[0].token_ids[0]  # the grammar did change the pick
+    assert both[0].outputs[0].token_ids == both[1].outputs[0].token_ids  # with and without logprobs alike

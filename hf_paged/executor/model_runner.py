@@ -174,8 +174,12 @@ class ModelRunner:
             row += 1 + item.num_draft_tokens
         scores: dict = {}
         if rows:
-            sub = logits if len(rows) == logits.shape[0] else logits[rows]
-            masked = self.structured.mask(sub, [s.seq_id for s in states]) if self.structured else sub
+            sub = logits if rows == list(range(logits.shape[0])) else logits[rows]
+            if self.structured:  # masked in place unless a row's logprobs need its raw logits after sampling
+                keep_raw = any(s.params.logprobs is not None for s in states)
+                masked = self.structured.mask(sub, [s.seq_id for s in states], inplace=not keep_raw)
+            else:
+                masked = sub
             tokens = self._sample_isolated(masked, states, scores, result.errors)
             for i, (state, token) in enumerate(zip(states, tokens)):
                 if token is not None:

@@ -67,7 +67,7 @@ class StructuredMatchers:
             self._bitmask = xgr.allocate_token_bitmask(max(rows, 8), vocab)
         return self._bitmask[:rows]
 
-    def _apply(self, logits: torch.Tensor, filled: list[tuple[int, object]]) -> torch.Tensor:
+    def _apply(self, logits: torch.Tensor, filled: list[tuple[int, object]], inplace: bool) -> torch.Tensor:
         """``logits`` with row ``i`` masked by ``matcher``'s next-token bitmask for each ``(i, matcher)``."""
         if not filled:
             return logits
@@ -75,16 +75,17 @@ class StructuredMatchers:
         bitmask = self._buffer(logits.shape[0], logits.shape[-1])
         for row, matcher in filled:
             matcher.fill_next_token_bitmask(bitmask, row)
-        masked = logits.clone()
+        masked = logits if inplace else logits.clone()
         xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=logits.shape[-1],
                                         indices=[row for row, _ in filled])
         return masked
 
-    def mask(self, logits: torch.Tensor, seq_ids: Sequence[int]) -> torch.Tensor:
-        """``logits [N, V]`` (row i: sequence ``seq_ids[i]``) with every structured row masked (a copy when any)."""
+    def mask(self, logits: torch.Tensor, seq_ids: Sequence[int], inplace: bool = False) -> torch.Tensor:
+        """``logits [N, V]`` (row i: sequence ``seq_ids[i]``) with every structured row masked: in place, or in a
+        copy when the caller still needs the raw rows (log-probabilities are the model's, unmasked)."""
         filled = [(i, self.matchers[s]) for i, s in enumerate(seq_ids)
                   if s in self.matchers and not self.matchers[s].is_terminated()]
-        return self._apply(logits, filled)
+        return self._apply(logits, filled, inplace)
 
     def mask_verify(self, logits: torch.Tensor, seq_ids: Sequence[int], drafts: Sequence[list[int]]) -> torch.Tensor:
         """Speculative verification: ``logits`` holds ``len(draft) + 1`` rows per sequence; each row is masked
