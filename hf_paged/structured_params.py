@@ -34,7 +34,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     # the engine's compiled grammar (set on the engine's own copy at admission, never by users)
-    compiled: Any = field(default=None, repr=False, compare=False)
+    compiled: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [name for name in KINDS if getattr(self, name) not in (None, False)]
@@ -84,7 +84,7 @@ class StructuredOutputsParams:
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            allowed = {f.name for f in fields(cls)} - {"compiled"}
+            allowed = {f.name for f in fields(cls) if f.init}
             unknown = sorted(set(value) - allowed)
             if unknown:
                 raise ValueError(f"unknown structured_outputs field(s) {unknown}; allowed: {sorted(allowed)}")

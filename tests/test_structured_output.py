@@ -273,3 +273,35 @@ def test_logprobs_are_the_models_unmasked_distribution(engine):
         assert first[token] == pytest.approx(logprob)
     assert free.outputs[0].token_ids[0] != both[0].outputs[0].token_ids[0]  # the grammar did change the pick
     assert both[0].outputs[0].token_ids == both[1].outputs[0].token_ids  # with and without logprobs alike
+
+
+def test_a_slow_compile_never_stalls_running_requests(tok, monkeypatch):
+    """Grammars compile on the thread that adds the request: a 2 s compile leaves the engine loop stepping
+    the requests already running (a compile inside the step would freeze them for the whole 2 s)."""
+    import time
+
+    from hf_paged import AsyncPagedEngine
+    from hf_paged.structured.compiler import GrammarCompilerCache
+
+    loop = AsyncPagedEngine(PagedGenerator(tiny_chat_model(tok), tok, num_blocks=512, max_num_seqs=4))
+    try:
+        loop.generate("warm", structured(max_tokens=2, choice=["a", "b"]))  # the tokenizer info exists now
+        compile_once = GrammarCompilerCache._compile
+
+        def slow(self, params):
+            time.sleep(2.0)
+            return compile_once(self, params)
+
+        monkeypatch.setattr(GrammarCompilerCache, "_compile", slow)
+        running = loop.add_request("Hello", SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True))
+        while loop.engine.num_steps < 3:
+            time.sleep(0.01)
+        before = loop.engine.num_steps
+        start = time.time()
+        stream = loop.add_request("Hi", structured(json=SCHEMA))  # a new spec: compiled here, for 2 s
+        assert time.time() - start >= 2.0
+        assert loop.engine.num_steps - before >= 10, "the running request did not advance during the compile"
+        jsonschema.validate(json.loads(stream.result().outputs[0].text), SCHEMA)
+        running.abort()
+    finally:
+        loop.shutdown()

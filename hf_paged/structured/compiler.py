@@ -117,5 +117,6 @@ def prepare_params(cache: GrammarCompilerCache, params):
     if params.ignore_eos and not params.stop_token_ids:
         raise ValueError("structured_outputs with ignore_eos=True needs stop_token_ids: a completed grammar ends "
                          "the request with a stop token")
-    compiled = cache.compile(wanted)
-    return params.clone(structured_outputs=dataclasses.replace(wanted, compiled=compiled))
+    mine = dataclasses.replace(wanted)  # the engine's own copy carries the grammar; the caller's stays as given
+    mine.compiled = cache.compile(wanted)
+    return params.clone(structured_outputs=mine)
