@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a standard workload against its baselines (docs/benchmarks.md)",
                            formatter_class=fmt)
-    bench.add_argument("workload", choices=["chat", "mixed", "latency", "prefix", "spec", "serve", "host", "arrival"])
+    bench.add_argument("workload", choices=["chat", "mixed", "latency", "prefix", "spec", "serve", "host", "arrival",
+                                            "structured"])
     bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights and KV cache dtype")
     bench.add_argument("--repeat", type=_positive_int, default=1, help="runs per system; the fastest counts")
     bench.add_argument("--systems", help="comma-separated subset, e.g. padded,hf_paged; chat and latency also take "

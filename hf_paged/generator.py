@@ -83,6 +83,8 @@ class PagedGenerator(GeneratorClients):
         self.outputs = OutputProcessor(tokenizer)
         self._ids = itertools.count()
         self._lock = threading.RLock()
+        self._grammars = None  # the structured-output grammar compiler, built on the first such request
+        self._grammars_lock = threading.Lock()
         self._pending: list[RequestOutput] = []  # aborted outputs, reported by the next step()
         self._beam_searches: list[BeamSearch] = []
         self.num_steps = 0
@@ -142,6 +144,8 @@ class PagedGenerator(GeneratorClients):
                 ``max_new_tokens``. By default a prompt + ``max_tokens`` over ``max_model_len`` is refused, as
                 the server refuses it.
         """
+        if sampling_params is not None and getattr(sampling_params, "structured_outputs", None) is not None:
+            sampling_params = self.prepare_structured(sampling_params)  # before the lock: steps go on meanwhile
         with self._lock:
             request, state = self._make_request(
                 prompt, sampling_params, request_id, priority, tokenizer, return_scores, speculative_config,
@@ -161,6 +165,8 @@ class PagedGenerator(GeneratorClients):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}")
+        if params.structured_outputs is not None:
+            params = self.prepare_structured(params)
         ids, text = token_ids(prompt, self.tokenizer, self.vocab_size)
         rid = str(next(self._ids)) if request_id is None else request_id
         if not isinstance(rid, str):
@@ -192,6 +198,17 @@ class PagedGenerator(GeneratorClients):
             request.scores = []
             state.scores = {}
         return request, state
+
+    def prepare_structured(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its structured-output grammar compiled (once per distinct spec), on this thread."""
+        from hf_paged.structured.compiler import GrammarCompilerCache, prepare_params
+
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs need the engine's tokenizer: pass tokenizer= to the engine")
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompilerCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return prepare_params(self._grammars, params)
 
     def _check_context(self, prompt_len: int, max_tokens: int) -> None:
         """The server's rule (a 400 there): prompt + max_tokens must fit in max_model_len."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+from hf_paged.structured_params import StructuredOutputsParams
+
 # Temperatures below this mean greedy (vLLM's convention): dividing logits by a denormal overflows them.
 SAMPLING_EPS = 1e-5
 MAX_SEED = 2**64 - 1  # what a torch.Generator accepts
@@ -51,6 +53,9 @@ class SamplingParams:
             and the ``logprobs`` most likely alternatives (``CompletionOutput.logprobs``).
         num_speculative_tokens: With speculative decoding on, lowers this request's drafts per step (0: this
             request does not speculate); None: the engine's.
+        structured_outputs: Constrain the output to a JSON schema, any JSON object, a regex, a choice of
+            strings or an EBNF grammar (:class:`StructuredOutputsParams`, or a dict of its fields). Needs the
+            engine's tokenizer and ``pip install 'hf-paged[structured]'``.
     """
 
     max_tokens: int = 16
@@ -67,6 +72,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     num_speculative_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -111,6 +117,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0)
         if self.num_speculative_tokens is not None:
             _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

@@ -61,9 +61,10 @@ PYTHON_SNIPPETS = blocks(README, "python")
 
 
 def test_readme_shows_the_three_snippets():
-    assert len(PYTHON_SNIPPETS) == 2, "the engine snippet and the transformers snippet"
+    assert len(PYTHON_SNIPPETS) == 3, "the engine snippet, the transformers snippet and structured output"
     assert "PagedGenerator" in PYTHON_SNIPPETS[0] and "apply_chat_template" in PYTHON_SNIPPETS[0]
     assert all(name in PYTHON_SNIPPETS[1] for name in ("hf_paged.wrap", "model.generate", "pipeline("))
+    assert "structured_outputs" in PYTHON_SNIPPETS[2]
     commands = {argv[0] for argv in cli_lines(README) if argv}
     assert {"generate", "serve", "chat"} <= commands
     assert len(README.read_text().splitlines()) <= 200, "the README stays short: depth goes to docs/"
@@ -80,6 +81,10 @@ def test_readme_python_snippet_runs(index):
         answer = result.stdout.strip().splitlines()[0] if result.stdout.strip() else ""
         assert re.search(r"[A-Za-z]", answer), f"no answer printed: {result.stdout!r}"
         assert "Paris" in answer, f"the chat template should make the Instruct model answer: {answer!r}"
+    if index == 2:  # structured output: the printed answer is JSON valid under the snippet's schema
+        import json
+
+        assert "city" in json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: p.name)

@@ -189,6 +189,29 @@ def test_engine_errors_show_in_the_chat(browser, app, monkeypatch):
     page.close()
 
 
+def test_json_schema_box_constrains_the_answer(browser, app):
+    """The settings' "JSON schema" box: the answer is JSON valid under it; an invalid schema is a message."""
+    import json
+
+    import jsonschema
+
+    url, loop, demo, tok = app
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    page = open_chat(browser, url)
+    page.fill("#hfp-json-schema textarea", json.dumps(schema))
+    send(page, "Name a city and its country.")
+    finished = len(demo.finished)
+    wait_for(lambda: len(demo.finished) > finished and not demo.live and last_answer(page), 120, "the JSON answer")
+    jsonschema.validate(json.loads(wait_for(lambda: last_answer(page), 10, "the answer")), schema)
+    page.fill("#hfp-json-schema textarea", '{"type": "nope"}')
+    send(page, "Again.")
+    wait_for(lambda: "invalid JSON schema" in last_answer(page), 60, "the schema error in the chat")
+    assert used_blocks(loop) == 0
+    page.close()
+
+
 def panel_text(html: str) -> str:
     return norm(re.sub(r"<style>.*?</style>|<[^>]+>", " ", html, flags=re.S))
 

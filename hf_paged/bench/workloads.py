@@ -261,6 +261,12 @@ def _arrival(**kw):
     return arrival(**kw)
 
 
+def _structured(**kw):
+    from hf_paged.bench.structured import structured
+
+    return structured(**kw)
+
+
 def _host(**kw):
     from hf_paged.bench.host import host
 
@@ -269,5 +275,5 @@ def _host(**kw):
 
 WORKLOADS = {
     "chat": chat, "mixed": mixed, "latency": latency, "prefix": prefix, "spec": _spec, "serve": serve, "host": _host,
-    "arrival": _arrival,
+    "arrival": _arrival, "structured": _structured,
 }

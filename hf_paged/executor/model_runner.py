@@ -23,6 +23,7 @@ from hf_paged.kv_pool import KVPool
 from hf_paged.sampling import Sampler, SeqState
 from hf_paged.spec_decode.speculator import Speculator
 from hf_paged.spec_decode.verifier import verify
+from hf_paged.structured.matchers import StructuredMatchers
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class ModelRunner:
         self.device = pool.device
         self.block_size = pool.block_size
         self.states: dict[int, SeqState] = {}
+        self.structured = StructuredMatchers()  # grammar matchers of structured-output sequences
         self.block_tables = BlockTables() if block_tables is None else block_tables
 
     def close(self) -> None:
@@ -62,15 +64,20 @@ class ModelRunner:
         self.speculator.close()
         self.fast = None
         self.states.clear()
+        self.structured = StructuredMatchers()
         self.block_tables = BlockTables()
 
     def update_states(self, out: SchedulerOutput) -> None:
         for seq_id in out.finished_seq_ids:
             self.states.pop(seq_id, None)
             self.block_tables.drop(seq_id)
+        self.structured.drop(out.finished_seq_ids)
         self.speculator.forget(out.finished_seq_ids, out.preempted_seq_ids)
         for data in out.new_sequences:
             self.states[data.seq_id] = SeqState.from_new(data)
+            grammar = data.sampling_params.structured_outputs
+            if grammar is not None and grammar.compiled is not None:
+                self.structured.add(data.seq_id, grammar.compiled, data.stop_token_ids, data.output_token_ids)
         for item in out.scheduled:
             self.block_tables.apply(item)
 
@@ -161,13 +168,19 @@ class ModelRunner:
                 states.append(state)
                 for index, child_id in enumerate(item.fork_seq_ids, start=1):
                     child = self.states[child_id] = state.fork(child_id, index)
+                    self.structured.fork(item.seq_id, child_id)
                     rows.append(row)
                     states.append(child)
             row += 1 + item.num_draft_tokens
         scores: dict = {}
         if rows:
-            sub = logits if len(rows) == logits.shape[0] else logits[rows]
-            tokens = self._sample_isolated(sub, states, scores, result.errors)
+            sub = logits if rows == list(range(logits.shape[0])) else logits[rows]
+            if self.structured:  # masked in place unless a row's logprobs need its raw logits after sampling
+                keep_raw = any(s.params.logprobs is not None for s in states)
+                masked = self.structured.mask(sub, [s.seq_id for s in states], inplace=not keep_raw)
+            else:
+                masked = sub
+            tokens = self._sample_isolated(masked, states, scores, result.errors)
             for i, (state, token) in enumerate(zip(states, tokens)):
                 if token is not None:
                     self._emit(result, state, [token], sub[i : i + 1])
@@ -182,6 +195,9 @@ class ModelRunner:
         return result
 
     def _emit(self, result: ModelRunnerOutput, state: SeqState, tokens: list[int], rows: torch.Tensor) -> None:
+        error = self.structured.accept(state.seq_id, tokens) if self.structured else None
+        if error is not None:
+            result.errors[state.seq_id] = error
         state.output_token_ids.extend(tokens)
         result.sampled_token_ids[state.seq_id] = tokens
         if state.params.logprobs is not None:
@@ -193,6 +209,10 @@ class ModelRunner:
         sub = logits.index_select(0, index)
         states = [state for _, _, state in items]
         drafts = [item.token_ids[-item.num_draft_tokens :] for _, item, _ in items]
+        if self.structured:  # every verified position masked as if the drafts before it were accepted
+            sub_raw, sub = sub, self.structured.mask_verify(sub, [s.seq_id for s in states], drafts)
+        else:
+            sub_raw = sub
         try:
             emitted = verify(self.sampler, sub, states, drafts, scores)
         except Exception:  # noqa: BLE001 - isolate the failing sequence below
@@ -208,7 +228,7 @@ class ModelRunner:
         offset = 0
         for state, draft, tokens in zip(states, drafts, emitted):
             if tokens is not None:
-                self._emit(result, state, tokens, sub[offset : offset + len(tokens)])
+                self._emit(result, state, tokens, sub_raw[offset : offset + len(tokens)])
                 result.num_draft_tokens[state.seq_id] = len(draft)
                 result.num_accepted_tokens[state.seq_id] = len(tokens) - 1
                 state.record_acceptance(len(draft), len(tokens) - 1)

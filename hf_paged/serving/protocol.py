@@ -2,7 +2,8 @@
 
 Every bad field raises :class:`APIError` (HTTP 400, OpenAI's error JSON naming the field) before anything
 reaches the engine. Extensions accepted as vLLM accepts them: ``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``priority``.
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``priority``; structured output and tool calls
+(``response_format``, ``guided_*``, ``structured_outputs``, ``tools``) in :mod:`hf_paged.serving.structured`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hf_paged.sampling_params import MAX_SEED, SamplingParams
+from hf_paged.serving.request_fields import check_unhonoured
+from hf_paged.serving.structured import ToolMode, parse_structured, template_takes_tools
 
 MAX_LOGPROBS = 20
 MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a request body; OpenAI's requests need a handful
@@ -65,6 +68,8 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None  # alternatives per token when log-probabilities were asked for
     priority: int = 0
+    structured_param: str | None = None  # the field that constrains the output (named by its errors)
+    tools: ToolMode | None = None  # chat: the output is returned as tool_calls
 
 
 # -- field checks --------------------------------------------------------------------------------------
@@ -211,6 +216,7 @@ def parse_completion(body: Any, served: ServedModel) -> ParsedRequest:
     """Check a ``/v1/completions`` body; prompts may be a string, a list of strings, token ids or lists of them."""
     body = _object(body)
     model, kw, stream, include_usage, priority = _common(body, served)
+    check_unhonoured(body, "completion")
     _unsupported(body, "echo", (None, False))
     _unsupported(body, "suffix", (None, ""))
     best_of = _int(body, "best_of", None, 1)
@@ -218,11 +224,13 @@ def parse_completion(body: Any, served: ServedModel) -> ParsedRequest:
         raise APIError("best_of other than n is not supported by this server", param="best_of",
                        code="unsupported_parameter")
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    kw["structured_outputs"], structured_param, _ = parse_structured(body, "completion", served.tokenizer)
     prompts = _completion_prompts(body.get("prompt"), served)
     max_tokens = _max_tokens("max_tokens", _int(body, "max_tokens", None, 1), prompts, served, default=16,
                              prompt_field="prompt")
     params = _params(kw, max_tokens, logprobs, "prompt")
-    return ParsedRequest("completion", model, prompts, params, stream, include_usage, logprobs, priority)
+    return ParsedRequest("completion", model, prompts, params, stream, include_usage, logprobs, priority,
+                         structured_param)
 
 
 def _completion_prompts(prompt: Any, served: ServedModel) -> list[list[int]]:
@@ -265,28 +273,25 @@ def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
     """Check a ``/v1/chat/completions`` body and apply the model's chat template."""
     body = _object(body)
     model, kw, stream, include_usage, priority = _common(body, served)
-    for name in ("tools", "functions", "audio"):
-        _unsupported(body, name, (None, []))
-    _unsupported(body, "tool_choice", (None, "none", "auto"))
+    check_unhonoured(body, "chat")
+    _unsupported(body, "audio", (None, []))
     _unsupported(body, "modalities", (None, ["text"]))
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise APIError("response_format other than {'type': 'text'} is not supported by this server",
-                       param="response_format", code="unsupported_parameter")
+    kw["structured_outputs"], structured_param, tools = parse_structured(body, "chat", served.tokenizer)
     want_logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not want_logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
     messages = chat_messages(body.get("messages"))
-    prompt = apply_chat_template(served.tokenizer, messages)
+    prompt = apply_chat_template(served.tokenizer, messages, tools.template_tools if tools else None)
     value = _int(body, "max_completion_tokens", None, 1)
     name = "max_completion_tokens"
     if value is None:
         value, name = _int(body, "max_tokens", None, 1), "max_tokens"
     max_tokens = _max_tokens(name, value, [prompt], served, default=None, prompt_field="messages")
     params = _params(kw, max_tokens, logprobs, "messages")
-    return ParsedRequest("chat", model, [prompt], params, stream, include_usage, logprobs, priority)
+    return ParsedRequest("chat", model, [prompt], params, stream, include_usage, logprobs, priority,
+                         structured_param, tools)
 
 
 def chat_messages(messages: Any) -> list[dict]:
@@ -319,11 +324,14 @@ def chat_messages(messages: Any) -> list[dict]:
     return out
 
 
-def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+def apply_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The prompt's token ids; ``tools`` are shown to the model where its template takes them."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError("this model has no chat template: use /v1/completions", param="messages")
+    extra = {"tools": tools} if tools and template_takes_tools(tokenizer) else {}
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                            **extra)
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages (e.g. the order of roles)
         raise APIError(f"the chat template rejected these messages: {e}", param="messages") from e
     return list(ids)

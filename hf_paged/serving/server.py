@@ -22,6 +22,7 @@ from hf_paged.serving.protocol import (
     APIError, ParsedRequest, ServedModel, chat_logprobs, check_depth, completion_logprobs, new_id, parse_chat,
     parse_completion, usage,
 )
+from hf_paged.serving.structured import compile_grammar
 from hf_paged.serving.stream import RequestStream
 
 logger = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ def build_app(
         raw = await read_body(request)
         parse = parse_chat if kind == "chat" else parse_completion
         try:  # JSON, the chat template and tokenization take time with size: a worker thread runs them
-            parsed = await pool.run(lambda: parse(parse_json(raw), served))
+            parsed = await pool.run(lambda: compile_grammar(engine, parse(parse_json(raw), served)))
         except QueueFullError as e:
             raise APIError(str(e), 503, type="server_overloaded", code="queue_full") from e
         del raw
@@ -169,11 +170,17 @@ def build_app(
             return Response(status_code=499)
         return JSONResponse(full_response(parsed, rid, created, results))
 
-    def choice(parsed: ParsedRequest, c, index: int, stream: bool, offset: int = 0) -> dict:
-        """One choice of a response (``stream``: a chunk's delta), OpenAI's fields in OpenAI's order."""
+    def choice(parsed: ParsedRequest, c, index: int, stream: bool, offset: int = 0, text: str | None = None) -> dict:
+        """One choice of a response (``stream``: a chunk's delta), OpenAI's fields in OpenAI's order; a tool
+        call is the whole output ``text``, once (streamed: in the last chunk)."""
         k = parsed.logprobs or 0
+        finish_reason = c.finish_reason
         if parsed.kind == "chat":
-            if stream:
+            if parsed.tools is not None:
+                build = parsed.tools.delta if stream else parsed.tools.message
+                message, finish_reason = build(c.text if text is None else text, c.finish_reason)
+                body = {"delta" if stream else "message": message}
+            elif stream:
                 body = {"delta": {"content": c.text or ""} if c.text or c.token_ids else {}}
             else:
                 body = {"message": {"role": "assistant", "content": c.text or ""}}
@@ -181,7 +188,7 @@ def build_app(
         else:
             body = {"text": c.text or ""}
             logprobs = completion_logprobs(served.tokenizer, c.token_ids, c.logprobs, k, offset)
-        return {"index": index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def full_response(parsed: ParsedRequest, rid: str, created: int, results: list[RequestOutput]) -> dict:
         choices, completion_tokens = [], 0
@@ -217,6 +224,7 @@ def build_app(
                           "finish_reason": None} for i in range(len(streams) * n)])
         queue: asyncio.Queue = asyncio.Queue()
         offsets = [0] * (len(streams) * n)
+        texts = [""] * (len(streams) * n)  # tool calls: the output so far, sent whole at the end
 
         async def pump(i: int, stream: RequestStream) -> None:
             try:
@@ -245,7 +253,11 @@ def build_app(
                     if not c.token_ids and not c.text and c.finish_reason is None:
                         continue
                     completion_tokens += len(c.token_ids)
-                    choices.append(choice(parsed, c, index, stream=True, offset=offsets[index]))
+                    if parsed.tools is not None:
+                        texts[index] += c.text or ""
+                        if c.finish_reason is None:
+                            continue
+                    choices.append(choice(parsed, c, index, stream=True, offset=offsets[index], text=texts[index]))
                     offsets[index] += len(c.text or "")  # completions' text_offset
                 if choices:
                     yield event(choices)

@@ -7,6 +7,7 @@ pool coloured by request). Needs ``pip install hf-paged[serve]``.
 
 # No ``from __future__ import annotations``: Gradio reads ``request: gr.Request`` annotations as objects.
 import itertools
+import json
 import logging
 import os
 import threading
@@ -14,6 +15,7 @@ import time
 from collections.abc import Iterator
 
 from hf_paged.sampling_params import SamplingParams
+from hf_paged.structured_params import StructuredOutputsParams
 from hf_paged.serving.engine_loop import AsyncPagedEngine, EngineClosedError, QueueFullError
 from hf_paged.ui.panel import render_panel, take_snapshot
 
@@ -72,12 +74,14 @@ class ChatDemo:
 
     # -- handlers -----------------------------------------------------------------------------------
     def respond(self, message: str, conversation: list[dict], system: str, temperature: float, top_p: float,
-                max_tokens: float, session: str, speculative: bool | None = None,
+                max_tokens: float, session: str, speculative: bool | None = None, json_schema: str = "",
                 ) -> Iterator[tuple[list[dict], list[dict], str]]:
         """Stream one answer: yields (chatbot messages, conversation state, message box).
 
         ``speculative``: draft tokens for this answer (the engine's speculative_config, else n-gram with 4
-        drafts), or not; None keeps the engine's setting. Greedy answers are the same either way."""
+        drafts), or not; None keeps the engine's setting. Greedy answers are the same either way.
+        ``json_schema``: a JSON schema (text) the answer must be valid JSON under; "" for free text. An invalid
+        schema is shown as an error in the chat, and nothing is generated."""
         if not message or not message.strip():
             yield conversation, conversation, ""
             return
@@ -87,12 +91,13 @@ class ChatDemo:
         text, reason, error = "", None, None
         try:
             params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
-                                    num_speculative_tokens=0 if speculative is False else None)
+                                    num_speculative_tokens=0 if speculative is False else None,
+                                    structured_outputs=_schema_constraint(json_schema))
             spec = DEFAULT_SPECULATION if speculative and not self.engine_speculates else None
             prompt = build_prompt(self.engine.tokenizer, system, conversation)
             stream = self.engine.add_request(prompt, params, request_id=f"chat-{session[:6]}-{next(self._turns)}",
                                              speculative_config=spec)
-        except (ValueError, TypeError, QueueFullError, EngineClosedError) as e:
+        except (ValueError, TypeError, ImportError, QueueFullError, EngineClosedError) as e:
             shown[-1] = {"role": "assistant", "content": f"{ERROR_PREFIX}{e}"}
             yield shown, conversation, ""
             return
@@ -163,11 +168,11 @@ class ChatDemo:
         """The ``gr.Blocks`` page."""
         gr = _gradio()
 
-        def respond(message, conversation, system, temperature, top_p, max_tokens, speculative,
+        def respond(message, conversation, system, temperature, top_p, max_tokens, speculative, json_schema,
                     request: gr.Request):
             session, shown = _session(request), None
             for out in self.respond(message, conversation, system, temperature, top_p, max_tokens, session,
-                                    bool(speculative)):
+                                    bool(speculative), json_schema or ""):
                 active = self.generating(session)  # Stop: enabled while this tab has an answer in flight
                 yield (*out, gr.update(interactive=active) if active != shown else gr.skip())
                 shown = active
@@ -208,9 +213,13 @@ class ChatDemo:
                     speculative = gr.Checkbox(self.engine_speculates, elem_id="hfp-speculative",
                                               label="Speculative decoding (drafts verified by the model; "
                                                     "same greedy answers, faster on repetitive text)")
+                    json_schema = gr.Textbox("", lines=3, elem_id="hfp-json-schema",
+                                             label="JSON schema (optional: answers are JSON valid under it)",
+                                             placeholder='{"type": "object", "properties": {"name": {"type": '
+                                                         '"string"}}, "required": ["name"]}')
                 with gr.Column(scale=2):
                     panel = gr.HTML(self.panel(), elem_id="hfp-panel", label="engine")
-            inputs = [message, conversation, system, temperature, top_p, max_tokens, speculative]
+            inputs = [message, conversation, system, temperature, top_p, max_tokens, speculative, json_schema]
             outputs = [chatbot, conversation, message, stop_button]
             for trigger in (message.submit, send.click):
                 trigger(respond, inputs, outputs, concurrency_limit=None, show_progress="hidden").then(
@@ -231,6 +240,19 @@ class ChatDemo:
         self.demo = demo
         return demo.launch(server_name=host, server_port=port, share=False, ssr_mode=False, theme=theme,
                            footer_links=[], **kw)
+
+
+def _schema_constraint(text: str) -> StructuredOutputsParams | None:
+    """The settings' "JSON schema" box as a structured-output constraint (None when empty)."""
+    if not text or not text.strip():
+        return None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the JSON schema box is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"the JSON schema box must hold a JSON object (a schema), got {text.strip()[:60]!r}")
+    return StructuredOutputsParams(json=schema)
 
 
 def _session(request) -> str:
