@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from hf_paged.outputs import RequestOutput
 from hf_paged.serving.common import WorkerPool
 from hf_paged.serving.engine_loop import AsyncPagedEngine, EngineClosedError, QueueFullError
+from hf_paged.serving.openapi import install_openapi
 from hf_paged.serving.protocol import (
     APIError, ParsedRequest, ServedModel, chat_logprobs, check_depth, completion_logprobs, new_id, parse_chat,
     parse_completion, usage,
@@ -93,7 +94,9 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, err):
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(str(err.detail), err.status_code, type=kind))
+        response = error_response(APIError(str(err.detail), err.status_code, type=kind))
+        response.headers.update(err.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def _internal_error(_request, err: Exception):
@@ -303,6 +306,7 @@ def build_app(
             raise APIError("metrics are disabled on this server", 404, type="not_found_error")
         return Response(await metrics.render(), media_type=metrics.content_type)
 
+    install_openapi(app, served, api_key is not None)
     return app
 
 
