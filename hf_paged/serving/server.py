@@ -78,7 +78,7 @@ def build_app(
             pool.close()
 
     app = fastapi.FastAPI(title="hf_paged OpenAI-compatible server", docs_url=None, redoc_url=None, lifespan=lifespan)
-    metrics = ServingMetrics(engine, served.name) if enable_metrics else None
+    metrics = ServingMetrics(engine, served.name, pool) if enable_metrics else None
     app.state.engine = engine
     app.state.served = served
     app.state.metrics = metrics
