@@ -220,6 +220,7 @@ def build_app(
                           "finish_reason": None} for i in range(len(streams) * n)])
         queue: asyncio.Queue = asyncio.Queue()
         offsets = [0] * (len(streams) * n)
+        ended: set[int] = set()  # choices whose finish_reason was sent (later deltas still carry it)
 
         async def pump(i: int, stream: RequestStream) -> None:
             try:
@@ -245,8 +246,10 @@ def build_app(
                         yield b"data: " + json.dumps(err.to_dict()).encode() + b"\n\n"
                         yield b"data: [DONE]\n\n"
                         return
-                    if not c.token_ids and not c.text and c.finish_reason is None:
+                    if (not c.token_ids and not c.text and c.finish_reason is None) or index in ended:
                         continue
+                    if c.finish_reason is not None:
+                        ended.add(index)
                     completion_tokens += len(c.token_ids)
                     choices.append(choice(parsed, c, index, stream=True, offset=offsets[index]))
                     offsets[index] += len(c.text or "")  # completions' text_offset
