@@ -122,3 +122,34 @@ def test_a_method_a_route_does_not_take_is_a_405_naming_the_allowed_ones(server,
     assert r.status_code == 405
     assert r.headers["allow"] == allow  # RFC 9110; the error handler used to drop it
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_with_an_api_key_the_schema_declares_it_and_every_401():
+    """``--api-key``: the schema names the bearer scheme on /v1/*, and the answers with and without the key
+    conform (a 401 in OpenAI's error shape, then the fuzzed bodies with the key)."""
+    tok = default_tokenizer()
+    with serve(tiny_chat_model(tok), tok, TINY_NAME, api_key="sekrit", num_blocks=64, max_num_seqs=2,
+               max_model_len=64) as (url, loop):
+        api = schemathesis.openapi.from_url(url + "/openapi.json")
+        assert api.raw_schema["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+        for method, path in ROUTES:
+            declared = api.raw_schema["paths"][path][method.lower()]
+            assert ("401" in declared["responses"]) == path.startswith("/v1/"), (method, path)
+        body = {"model": TINY_NAME, "prompt": "Hi", "max_tokens": 2}
+        for method, path, kw in (("GET", "/v1/models", {}), ("POST", "/v1/completions", {"body": body})):
+            case = api[path][method].Case(**kw)
+            response = case.call(base_url=url, timeout=20)
+            assert response.status_code == 401
+            case.validate_response(response, checks=CHECKS[:-1])
+        key = {"Authorization": "Bearer sekrit"}
+
+        @settings(max_examples=10, deadline=None, derandomize=True, database=None, phases=[Phase.generate],
+                  suppress_health_check=list(HealthCheck))
+        @given(case=api["/v1/completions"]["POST"].as_strategy(generation_mode=GenerationMode.POSITIVE))
+        def fuzz(case):
+            response = case.call(base_url=url, timeout=20, headers=key)
+            assert response.status_code != 401
+            case.validate_response(response, checks=CHECKS)
+
+        fuzz()
+        wait_until(lambda: loop.num_live_requests == 0, what="no live request")
