@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="the served model's id (default: the server's /v1/models)")
     p.add_argument("--max-tokens", type=int, default=8, help="most new tokens of a request that runs to its end")
     p.add_argument("--seed", type=int, default=29)
-    p.add_argument("--pid", type=int, help="the server's process id, to compare its memory after warm-up and at the end")
+    p.add_argument("--pid", type=int, help="the server's process id: compare its memory after warm-up and at the end")
     args = p.parse_args(argv)
     url = args.url.rstrip("/")
     model = args.model or httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]

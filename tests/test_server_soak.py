@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from tests.serving_helpers import TINY_NAME, default_tokenizer, scrape, serve, tiny_chat_model, wait_until
-from tests.soak import Tally, make_specs, run_load
+from tests.soak import make_specs, run_load
 
 REQUESTS = int(os.environ.get("HF_PAGED_SOAK_REQUESTS", "2000"))
 WARM_UP = 200
@@ -62,7 +62,7 @@ def test_soak_leaves_no_request_no_block_and_no_growth():
         assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
         assert stats.num_kv_blocks_used == 0, f"{stats.num_kv_blocks_used} blocks held after the soak"
         assert stats.num_kv_blocks_cached > 0  # the shared prefix stayed cached (free, reusable)
-        loop.call(lambda engine: (engine.kv_manager.check_consistency(), engine.scheduler.check_consistency())).result(30)
+        loop.call(lambda e: (e.kv_manager.check_consistency(), e.scheduler.check_consistency())).result(30)
         finished = loop.num_finished_by_reason
         assert finished["error"] == 0
         # every answered prompt finished in the engine; a disconnect is one abort at most (or none, when the

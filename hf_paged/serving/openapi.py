@@ -241,14 +241,16 @@ def _generation(summary: str, request: dict, answer: str, chunk: str, api_key: b
 def operations(served: ServedModel, api_key: bool = False) -> dict[tuple[str, str], dict]:
     """``{(path, method): OpenAPI operation}`` for every route of the server."""
     models = {"summary": "The served model",
-              "responses": {"200": {"description": "The served model.", "content": {JSON: {"schema": _ref("ModelList")}}},
+              "responses": {"200": {"description": "The served model.",
+                                    "content": {JSON: {"schema": _ref("ModelList")}}},
                             **({"401": _error(401)} if api_key else {})},
               **({"security": [{"bearer": []}]} if api_key else {})}
     health = {"summary": "Liveness of the engine loop", "responses": {
         "200": {"description": "The engine loop runs.", "content": {JSON: {"schema": _ref("Health")}}},
         "503": {"description": "The engine loop is stopped.", "content": {JSON: {"schema": _ref("Health")}}}}}
     metrics = {"summary": "Prometheus metrics", "responses": {
-        "200": {"description": "The Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        "200": {"description": "The Prometheus text format.",
+                "content": {"text/plain": {"schema": {"type": "string"}}}},
         "404": _error(404) | {"description": "Metrics are disabled on this server."}}}
     return {
         ("/v1/completions", "post"): _generation("Text completions", completion_request(served), "Completion",
