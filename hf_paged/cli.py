@@ -169,7 +169,7 @@ def cmd_serve(args) -> int:
     loop, tokenizer = _engine_loop(args, args.max_num_seqs)
     aliases = tuple(a for a in (args.model, _served_name(args.model)) if a and a != name)
     served = ServedModel(name, tokenizer, loop.max_model_len, args.max_num_seqs, aliases)
-    app = build_app(loop, served, api_key=api_key)
+    app = build_app(loop, served, api_key=api_key, request_workers=args.request_workers)
     print(f"hf-paged serve: {name} on http://{args.host}:{args.port}/v1 "
           f"(max_num_seqs={args.max_num_seqs}, max_model_len={loop.max_model_len}"
           f"{', API key required' if api_key else ''})", flush=True)
@@ -215,15 +215,22 @@ def _speculative_config(text: str) -> dict:
     return value
 
 
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -318,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*; $HF_PAGED_API_KEY works too")
     serve.add_argument("--served-model-name", help="the model id clients send (default: the model folder's name)")
     serve.add_argument("--max-model-len", type=_positive_int, help="longest prompt + answer (default: the model's)")
+    serve.add_argument("--request-workers", type=_positive_int, default=2,
+                       help="threads that parse, chat-template and tokenize request bodies off the event loop")
     serve.set_defaults(func=cmd_serve)
 
     chat = sub.add_parser("chat", help="Gradio chat demo with a live engine panel, local only "

@@ -27,10 +27,11 @@ def tiny_chat_model(tokenizer):
 
 
 @contextlib.contextmanager
-def serve(model, tokenizer, name: str, *, api_key: str | None = None, max_waiting_requests: int = 1024, **config):
+def serve(model, tokenizer, name: str, *, api_key: str | None = None, max_waiting_requests: int = 1024,
+          max_prompts: int | None = None, **config):
     """An engine loop and an OpenAI server on a free loopback port; yields ``(url, loop)``."""
     loop = AsyncPagedEngine(PagedGenerator(model, tokenizer, **config), max_waiting_requests=max_waiting_requests)
-    served = ServedModel(name, tokenizer, loop.max_model_len, loop.engine.config.max_num_seqs)
+    served = ServedModel(name, tokenizer, loop.max_model_len, loop.engine.config.max_num_seqs, max_prompts=max_prompts)
     server = BackgroundServer(build_app(loop, served, api_key=api_key)).start()
     try:
         yield server.url, loop

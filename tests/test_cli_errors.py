@@ -166,3 +166,33 @@ def test_help_names_each_default_once():
             assert len(re.findall(r"default", shown, re.IGNORECASE)) <= 1, (parser.prog, shown)
     serve = " ".join(next(p for p in parsers if p.prog == "hf-paged serve").format_help().split())
     assert "port to listen on (default: 8000)" in serve and "(default: 127.0.0.1)" in serve, serve
+
+
+# -- serve --request-workers ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "message"), [("0", "must be >= 1, got 0"), ("-3", "must be >= 1, got -3"),
+                                              ("two", "must be an integer, got 'two'")])
+def test_request_workers_must_be_a_positive_int(value, message, capsys, no_loading):
+    assert main(["serve", "--request-workers", value, "--port", "0"]) == 2
+    assert one_error_line(capsys) == f"hf-paged: error: argument --request-workers: {message}"
+
+
+def test_request_workers_reach_the_server(monkeypatch):
+    from hf_paged.serving import server
+
+    class Loop:
+        max_model_len = 64
+
+        def shutdown(self) -> None:
+            pass
+
+    built = {}
+    monkeypatch.setattr(cli, "_engine_loop", lambda args, max_num_seqs: (Loop(), None))
+    monkeypatch.setattr(server, "build_app", lambda loop, served, **kw: built.update(kw) or "app")
+    monkeypatch.setattr(server, "run_server", lambda app, host, port, log_level: built.update(ran=app))
+    assert main(["serve", "--port", "0", "--request-workers", "5"]) == 0
+    assert built == {"api_key": None, "request_workers": 5, "ran": "app"}
+    assert main(["serve", "--port", "0"]) == 0
+    assert built["request_workers"] == 2  # build_app's default
+    assert server.DEFAULT_REQUEST_WORKERS == 2

@@ -378,3 +378,37 @@ def test_a_long_prompt_arriving_beside_a_decode_is_chunked_and_exact(model):
     assert chunks == [8] * 12 + [4]
     assert done["short"] == stock_greedy(model, short, 20)
     assert done["long"] == stock_greedy(model, long, 20)
+
+
+def test_the_queue_count_is_current_when_a_stream_gets_its_output(model, prompts):
+    """What the schema fuzz found: the loop updated its waiting count after handing a step's outputs to the
+    streams, so a client that sent its next request right after its answer was measured against the previous
+    step's queue (a spurious 503 queue_full on an empty queue). Record ``num_waiting`` at every output: a request
+    that has a token is no longer waiting, so the count can never exceed the requests without one."""
+    loop = AsyncPagedEngine(PagedGenerator(model, num_blocks=256, block_size=4, max_num_seqs=4),
+                            max_waiting_requests=8)
+    gate = threading.Event()
+    busy = loop.call(lambda e: gate.wait(30))  # all 8 are admitted together: 4 run, 4 wait
+    streams = loop.add_requests(prompts[:8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    seen: list[tuple[int, int]] = []  # (num_waiting, requests with no token yet) at each output
+    started: set[str] = set()
+
+    def recording(stream):
+        put = stream.put
+
+        def wrapped(item):
+            if any(c.token_ids for c in item.outputs):
+                started.add(stream.request_id)
+            seen.append((loop.num_waiting, len(streams) - len(started)))
+            put(item)
+        return wrapped
+
+    for stream in streams:
+        stream.put = recording(stream)
+    gate.set()
+    busy.result(30)
+    for stream in streams:
+        stream.result(60)
+    loop.shutdown()
+    assert len(started) == 8
+    assert all(waiting <= unstarted for waiting, unstarted in seen), seen

@@ -14,7 +14,7 @@ from hf_paged import AsyncPagedEngine, PagedGenerator
 from hf_paged.serving.common import QueueFullError, WorkerPool
 from hf_paged.serving.protocol import ServedModel
 from hf_paged.serving.server import BackgroundServer, build_app
-from tests.serving_helpers import TINY_NAME, default_tokenizer, tiny_chat_model
+from tests.serving_helpers import TINY_NAME, default_tokenizer, scrape, tiny_chat_model
 
 DELAY = 2.0  # seconds the slow template takes on a huge message
 HUGE = 3 * 2**20  # characters of the huge message
@@ -117,3 +117,45 @@ def test_worker_pool_bounds_its_queue():
     asyncio.run(main())
     with pytest.raises(ValueError, match="workers must be a positive int, got 0"):
         WorkerPool(workers=0)
+
+
+class GatedTemplate(SlowTemplate):
+    """The default tokenizer, but its chat template waits for ``gate`` on a message saying "wait"."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def apply_chat_template(self, messages, **kw):
+        if messages[-1]["content"] == "wait":
+            self.entered.set()
+            self.gate.wait(60)
+        return self._tokenizer.apply_chat_template(messages, **kw)
+
+
+def test_a_full_worker_pool_is_a_503_counted_as_a_queue_full_rejection():
+    tok = default_tokenizer()
+    template = GatedTemplate(tok)
+    loop = AsyncPagedEngine(PagedGenerator(tiny_chat_model(tok), tok, num_blocks=64, max_num_seqs=2),
+                            max_waiting_requests=1)  # so the pool admits one request being parsed
+    served = ServedModel(TINY_NAME, template, loop.max_model_len, 2)
+    body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "wait"}], "max_tokens": 2}
+    rejected = "hf_paged:requests_rejected_total{reason=queue_full}"
+    try:
+        with BackgroundServer(build_app(loop, served, request_workers=1)) as background:
+            first = threading.Thread(target=lambda: httpx.post(background.url + "/v1/chat/completions", json=body,
+                                                               timeout=60), daemon=True)
+            first.start()
+            assert template.entered.wait(30)
+            r = httpx.post(background.url + "/v1/chat/completions", json={**body, "messages": [
+                {"role": "user", "content": "hi"}]}, timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+            assert "being prepared" in r.json()["error"]["message"]
+            template.gate.set()
+            first.join(60)
+            assert scrape(background.url)[rejected] == 1
+            assert loop.num_rejected["queue_full"] == 0  # the engine never saw it
+            assert scrape(background.url)["hf_paged:request_success_total{finished_reason=abort}"] == 0
+    finally:
+        template.gate.set()
+        loop.shutdown()

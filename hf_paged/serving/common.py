@@ -71,7 +71,8 @@ class WorkerPool:
 
     ``workers`` threads run the calls; at most ``workers`` are handed to them at once (the rest wait on the
     event loop, where a disconnect cancels them before they start), and at most ``max_pending`` calls are
-    admitted (running or waiting): one more raises :class:`QueueFullError`.
+    admitted (running or waiting): one more raises :class:`QueueFullError` and counts in ``num_rejected``
+    (the metrics' ``requests_rejected_total{reason="queue_full"}``).
     """
 
     def __init__(self, workers: int = 2, max_pending: int = 1024) -> None:
@@ -81,12 +82,14 @@ class WorkerPool:
         self.workers = workers
         self.max_pending = max_pending
         self.num_pending = 0  # event-loop thread only
+        self.num_rejected = 0  # calls refused because max_pending were admitted (event-loop thread only)
         self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hf-paged-request")
         self._slots: asyncio.Semaphore | None = None  # made in the running event loop
 
     async def run(self, fn, *args):
         """``fn(*args)`` on a worker thread; its result or its exception."""
         if self.num_pending >= self.max_pending:
+            self.num_rejected += 1
             raise QueueFullError(f"{self.num_pending} requests are being prepared (parsed and tokenized) already, "
                                  f"the limit of this server; retry later")
         loop = asyncio.get_running_loop()

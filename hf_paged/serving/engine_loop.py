@@ -281,9 +281,12 @@ class AsyncPagedEngine:
                     self._run_calls(calls)
                     if self.engine.has_unfinished_requests() or self.engine._pending:
                         self._step()
-                    elif self._ended:
-                        now = time.time()
-                        self._notify(StepInfo(now, now))
+                    else:
+                        with self._cond:  # nothing left to step (e.g. every admission failed): nothing waits
+                            self._num_engine_waiting = len(self.engine.scheduler.waiting)
+                        if self._ended:
+                            now = time.time()
+                            self._notify(StepInfo(now, now))
                     self._has_work = self.engine.has_unfinished_requests() or bool(self.engine._pending)
                 except Exception:  # noqa: BLE001 - the loop must survive anything; requests were failed already
                     logger.exception("engine loop iteration failed")
@@ -325,6 +328,9 @@ class AsyncPagedEngine:
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
             outputs = self._fail_after(e)
         end = time.time()
+        sched = self.engine.scheduler
+        with self._cond:  # before any stream sees this step: its reader may submit again at once
+            self._num_engine_waiting = len(sched.waiting)
         info = StepInfo(start, end)
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -351,11 +357,8 @@ class AsyncPagedEngine:
             if ran:  # first scheduled in this step (an abort while waiting is no sample)
                 stream.scheduled_time = start
                 info.queue_times.append(max(0.0, start - stream.arrival_time))
-        sched = self.engine.scheduler
         self.last_batch_size = len(sched.running)
         self._throughput.record(end, sched.num_generated_tokens)
-        with self._cond:
-            self._num_engine_waiting = len(sched.waiting)
         self._notify(info)
 
     def _notify(self, info: StepInfo) -> None:

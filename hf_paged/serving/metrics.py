@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from hf_paged.outputs import EngineStats
+from hf_paged.serving.common import WorkerPool
 from hf_paged.serving.engine_loop import AsyncPagedEngine, StepInfo
 
 logger = logging.getLogger(__name__)
@@ -72,11 +73,14 @@ class ServingMetrics:
     Args:
         engine: The loop to observe (histograms are fed after each of its steps).
         model_name: The ``model_name`` label on every metric (as vLLM labels them).
+        pool: The server's request workers, whose refusals (too many requests being parsed) count as
+            ``queue_full`` rejections beside the engine's.
     """
 
-    def __init__(self, engine: AsyncPagedEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncPagedEngine, model_name: str, pool: WorkerPool | None = None) -> None:
         prom = _require()
         self.engine = engine
+        self.pool = pool
         self.model_name = model_name
         self.registry = prom.CollectorRegistry()
         self._stats: EngineStats | None = None
@@ -151,9 +155,12 @@ class _EngineCollector:
             yield family
         rejected = CounterMetricFamily(
             PREFIX + "requests_rejected", "Requests refused when submitted (HTTP 503), by reason: queue_full "
-            "(max_waiting_requests were waiting) or engine_closed; never counted as finished.",
-            labels=["model_name", "reason"])
-        for reason, count in self.metrics.engine.num_rejected.items():
+            "(max_waiting_requests were waiting to be scheduled, or to be parsed) or engine_closed; never counted "
+            "as finished.", labels=["model_name", "reason"])
+        counts = dict(self.metrics.engine.num_rejected)
+        if self.metrics.pool is not None:
+            counts["queue_full"] = counts.get("queue_full", 0) + self.metrics.pool.num_rejected
+        for reason, count in counts.items():
             rejected.add_metric([self.metrics.model_name, reason], count)
         yield rejected
 

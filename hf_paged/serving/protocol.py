@@ -113,7 +113,7 @@ def _bool(body: dict, name: str, default: bool) -> bool:
 
 
 def _unsupported(body: dict, name: str, allowed=(None,), why: str = "") -> None:
-    if name in body and body[name] not in allowed:
+    if name in body and not any(type(body[name]) is type(a) and body[name] == a for a in allowed):  # 0 is not False
         raise APIError(f"{name} is not supported by this server{why}", param=name, code="unsupported_parameter")
 
 
@@ -132,9 +132,14 @@ def _stop_token_ids(body: dict) -> list[int] | None:
     value = body.get("stop_token_ids")
     if value is None:
         return None
-    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
+    if not isinstance(value, list) or any(not _is_token(t) or t < 0 for t in value):
         raise APIError(f"stop_token_ids must be a list of token ids, got {value!r}", param="stop_token_ids")
-    return value
+    return [int(t) for t in value]
+
+
+def _is_token(value) -> bool:
+    """An integer, or a float with an integral value (JSON, and its schemas, do not tell 5 from 5.0)."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
 
 
 def _common(body: dict, served: ServedModel) -> tuple[str, dict, bool, bool, int]:
@@ -152,7 +157,7 @@ def _common(body: dict, served: ServedModel) -> tuple[str, dict, bool, bool, int
             raise APIError(f"{name} is not supported by this engine (only 0); use repetition_penalty "
                            "(> 0, 1 disables)", param=name, code="unsupported_parameter")
     logit_bias = body.get("logit_bias")
-    if logit_bias:
+    if logit_bias is not None and logit_bias != {}:
         raise APIError("logit_bias is not supported by this server", param="logit_bias", code="unsupported_parameter")
     n = _int(body, "n", 1, 1)
     if n > served.max_num_seqs:
@@ -238,7 +243,7 @@ def _completion_prompts(prompt: Any, served: ServedModel) -> list[list[int]]:
         raise APIError("prompt is required", param="prompt")
     if isinstance(prompt, str):
         items: list = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
         items = [prompt]
     elif isinstance(prompt, list) and prompt:
         items = prompt
@@ -257,8 +262,8 @@ def _completion_prompts(prompt: Any, served: ServedModel) -> list[list[int]]:
             if served.tokenizer is None:
                 raise APIError("this server has no tokenizer: give the prompt as token ids", param="prompt")
             out.append(list(served.tokenizer(item)["input_ids"]))
-        elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            out.append(list(item))
+        elif isinstance(item, list) and item and all(_is_token(t) for t in item):
+            out.append([int(t) for t in item])
         else:
             raise APIError(f"prompt entries must be non-empty strings or lists of token ids, got {item!r}",
                            param="prompt")
@@ -286,8 +291,11 @@ def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
     prompt = apply_chat_template(served.tokenizer, messages, tools.template_tools if tools else None)
     value = _int(body, "max_completion_tokens", None, 1)
     name = "max_completion_tokens"
+    legacy = _int(body, "max_tokens", None, 1)
     if value is None:
-        value, name = _int(body, "max_tokens", None, 1), "max_tokens"
+        value, name = legacy, "max_tokens"
+    elif legacy is not None:  # overridden, but a value that could never fit is still an error
+        _max_tokens("max_tokens", legacy, [prompt], served, default=None, prompt_field="messages")
     max_tokens = _max_tokens(name, value, [prompt], served, default=None, prompt_field="messages")
     params = _params(kw, max_tokens, logprobs, "messages")
     return ParsedRequest("chat", model, [prompt], params, stream, include_usage, logprobs, priority,

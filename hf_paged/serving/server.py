@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from hf_paged.outputs import RequestOutput
 from hf_paged.serving.common import WorkerPool
 from hf_paged.serving.engine_loop import AsyncPagedEngine, EngineClosedError, QueueFullError
+from hf_paged.serving.openapi import install_openapi
 from hf_paged.serving.protocol import (
     APIError, ParsedRequest, ServedModel, chat_logprobs, check_depth, completion_logprobs, new_id, parse_chat,
     parse_completion, usage,
@@ -78,7 +79,7 @@ def build_app(
             pool.close()
 
     app = fastapi.FastAPI(title="hf_paged OpenAI-compatible server", docs_url=None, redoc_url=None, lifespan=lifespan)
-    metrics = ServingMetrics(engine, served.name) if enable_metrics else None
+    metrics = ServingMetrics(engine, served.name, pool) if enable_metrics else None
     app.state.engine = engine
     app.state.served = served
     app.state.metrics = metrics
@@ -94,7 +95,9 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, err):
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(str(err.detail), err.status_code, type=kind))
+        response = error_response(APIError(str(err.detail), err.status_code, type=kind))
+        response.headers.update(err.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def _internal_error(_request, err: Exception):
@@ -225,6 +228,7 @@ def build_app(
         queue: asyncio.Queue = asyncio.Queue()
         offsets = [0] * (len(streams) * n)
         texts = [""] * (len(streams) * n)  # tool calls: the output so far, sent whole at the end
+        ended: set[int] = set()  # choices whose finish_reason was sent (later deltas still carry it)
 
         async def pump(i: int, stream: RequestStream) -> None:
             try:
@@ -250,8 +254,10 @@ def build_app(
                         yield b"data: " + json.dumps(err.to_dict()).encode() + b"\n\n"
                         yield b"data: [DONE]\n\n"
                         return
-                    if not c.token_ids and not c.text and c.finish_reason is None:
+                    if (not c.token_ids and not c.text and c.finish_reason is None) or index in ended:
                         continue
+                    if c.finish_reason is not None:
+                        ended.add(index)
                     completion_tokens += len(c.token_ids)
                     if parsed.tools is not None:
                         texts[index] += c.text or ""
@@ -315,6 +321,7 @@ def build_app(
             raise APIError("metrics are disabled on this server", 404, type="not_found_error")
         return Response(await metrics.render(), media_type=metrics.content_type)
 
+    install_openapi(app, served, api_key is not None)
     return app
 
 
