@@ -19,6 +19,20 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 
+# float32's smallest normal and largest values: a penalty outside them becomes 0 or inf in the logits' dtype,
+# and 0 turns a masked logit (-inf * 0) into NaN
+FLOAT32_TINY = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _check_penalty(value: float) -> None:
+    if not FLOAT32_TINY <= value <= FLOAT32_MAX:
+        raise ValueError(
+            f"repetition_penalty must be > 0 and finite in float32 (from {FLOAT32_TINY:.4g} to {FLOAT32_MAX:.4g}), "
+            f"got {value}"
+        )
+
+
 def _check_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
@@ -98,8 +112,7 @@ class SamplingParams:
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty < float("inf"):
-            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        _check_penalty(self.repetition_penalty)
         if self.stop is not None:
             if isinstance(self.stop, str):
                 self.stop = [self.stop]
@@ -178,5 +191,4 @@ class BeamSearchParams:
                 _check_int("stop_token_ids entry", tok, 0)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty < float("inf"):
-            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        _check_penalty(self.repetition_penalty)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_paged.sampling_params import MAX_SEED
+from hf_paged.sampling_params import FLOAT32_MAX, FLOAT32_TINY, MAX_SEED
 from hf_paged.serving.protocol import MAX_LOGPROBS, ROLES, ServedModel
 
 JSON = "application/json"
@@ -42,7 +42,8 @@ def _sampling_fields(served: ServedModel) -> dict[str, dict]:
         "top_p": _opt("number", exclusiveMinimum=0, maximum=1),
         "top_k": _opt("integer", minimum=-1, description="0 or -1: off (vLLM's extension)."),
         "min_p": _opt("number", minimum=0, maximum=1),
-        "repetition_penalty": _opt("number", exclusiveMinimum=0, description="1 disables it."),
+        "repetition_penalty": _opt("number", minimum=FLOAT32_TINY, maximum=FLOAT32_MAX,
+                                   description="1 disables it; must stay > 0 in float32."),
         "presence_penalty": {"enum": [0, None], "description": "Only 0 is supported (use repetition_penalty)."},
         "frequency_penalty": {"enum": [0, None], "description": "Only 0 is supported (use repetition_penalty)."},
         "logit_bias": _opt("object", maxProperties=0, description="Not supported: only empty or null."),
@@ -58,6 +59,45 @@ def _sampling_fields(served: ServedModel) -> dict[str, dict]:
         "stream_options": _opt("object", properties={"include_usage": _opt("boolean")},
                                description="Only with stream: true."),
         "priority": _opt("integer", description='Lower runs first under scheduling_policy="priority".'),
+    }
+
+
+def _structured_fields() -> dict[str, dict]:
+    """Output constraints both generation endpoints read (``serving/structured.py``; at most one a request)."""
+    schema = {"type": ["object", "boolean", "string"], "description": "A JSON schema (or its JSON text)."}
+    return {
+        "response_format": {"anyOf": [
+            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                    "name": {"type": "string"}, "description": {"type": "string"}, "schema": schema,
+                    "strict": {"type": ["boolean", "null"]}}}}},
+            {"type": "null"},
+        ], "description": "Plain text, any JSON object, or JSON valid under a schema."},
+        "guided_json": {"anyOf": [schema, {"type": "null"}], "description": "vLLM's: JSON valid under this schema."},
+        "guided_regex": _opt("string", description="vLLM's: text matching this regular expression."),
+        "guided_choice": _opt("array", minItems=1, items={"type": "string"}, description="vLLM's: one of these."),
+        "guided_grammar": _opt("string", description="vLLM's: text of this EBNF grammar."),
+        "guided_decoding_backend": {"enum": ["xgrammar", "auto", None]},
+        "structured_outputs": _opt("object", description="vLLM's: one of json, json_object, regex, choice, grammar."),
+    }
+
+
+def _tool_fields() -> dict[str, dict]:
+    """Chat's tools (``serving/structured.py``)."""
+    function = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+        "parameters": {"type": "object", "description": "The arguments' JSON schema."}}}
+    named = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}
+    return {
+        "tools": _opt("array", items={"type": "object", "required": ["type", "function"],
+                                      "properties": {"type": {"const": "function"}, "function": function}}),
+        "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required", None]}, named],
+                        "description": "'auto' needs a chat template that takes tools with <tool_call> tags."},
+        "parallel_tool_calls": _opt("boolean"),
     }
 
 
@@ -93,6 +133,7 @@ def completion_request(served: ServedModel) -> dict:
             "echo": {"enum": [False, None], "description": "Not supported."},
             "suffix": {"enum": ["", None], "description": "Not supported."},
             "best_of": _opt("integer", minimum=1, maximum=served.max_num_seqs, description="Only equal to n."),
+            **_structured_fields(),
         },
         "allOf": [_stream_options_need_stream()],
     }
@@ -120,10 +161,8 @@ def chat_request(served: ServedModel) -> dict:
                                           description="As max_tokens, which it overrides."),
             "logprobs": _opt("boolean"),
             "top_logprobs": _opt("integer", minimum=0, maximum=MAX_LOGPROBS, description="Needs logprobs: true."),
-            "response_format": _opt("object", required=["type"], properties={"type": {"const": "text"}},
-                                    additionalProperties=False, description="Only {'type': 'text'}."),
-            "tools": _opt("array", maxItems=0, description="Not supported: only empty or null."),
-            "tool_choice": {"enum": ["none", "auto", None]},
+            **_structured_fields(),
+            **_tool_fields(),
         },
         "allOf": [_stream_options_need_stream(), _needs("top_logprobs", "integer", "logprobs")],
     }
@@ -175,9 +214,16 @@ def _schemas() -> dict[str, dict]:
         "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": number}},
         "text_offset": {"type": "array", "items": {"type": "integer"}},
     }}
+    call = {"type": "object", "required": ["id", "type", "function"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"}, "index": {"type": "integer", "minimum": 0},
+        "function": {"type": "object", "required": ["name", "arguments"],
+                     "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+    calls = {"type": "array", "items": call}
     message = {"type": "object", "required": ["role", "content"],
-               "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}}
-    delta = {"type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}}
+               "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                              "tool_calls": calls}}
+    delta = {"type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                                              "tool_calls": calls}}
     text = {"text": {"type": "string"}, "logprobs": completion_logprobs}
     return {
         "Usage": _usage(),
