@@ -337,3 +337,19 @@ def test_engine_order_is_stock_order_penalty_then_processors():
     params = SamplingParams(max_tokens=NEW, temperature=0, repetition_penalty=4.0,
                             logits_processors=[SequenceBiasLogitsProcessor(bias)])
     assert engine.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == custom[0, len(prompt) :].tolist()
+
+
+def test_streamer_with_a_batch_wide_stop_gets_stock_puts(llama, no_fallback):
+    """Without EOS, stock keeps a stopped row generating until every row has stopped: the streamer sees that."""
+    from tests.test_hf_generate import Recorder as StreamRecorder
+
+    ids, mask = padded(PROMPTS)
+    kw = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+              stopping_criteria=StoppingCriteriaList([StopOnMultipleOf7()]))
+    stock = StreamRecorder()
+    want = llama.generate(ids, streamer=stock, **kw)
+    assert want.shape[1] < ids.shape[1] + NEW  # the criterion ended the batch early
+    hf_paged.wrap(llama, num_blocks=256, block_size=8)
+    ours = StreamRecorder()
+    got = llama.generate(ids, streamer=ours, **kw)
+    assert torch.equal(got, want) and ours.puts == stock.puts and ours.ended

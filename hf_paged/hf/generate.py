@@ -114,7 +114,8 @@ def paged_generate(
     engine = self.paged
     speculative = _speculative_config(gen_cfg, assistant_model)
     rows = _add_rows(engine, gen_cfg, model_kwargs, input_ids, max_new, speculative, row_hooks)
-    lockstep = _LockstepStreamer(streamer, rows, _pad_id(gen_cfg)) if streamer else None
+    batch_stop = row_hooks.batch_stop if row_hooks is not None else None
+    lockstep = _LockstepStreamer(streamer, rows, _pad_id(gen_cfg), batch_stop) if streamer else None
     if streamer is not None:
         streamer.put(input_ids.cpu())
     try:
@@ -122,8 +123,8 @@ def paged_generate(
             progressed = False
             for row in rows:
                 progressed |= row.read(engine)
-            if row_hooks is not None and row_hooks.batch_stop is not None:
-                row_hooks.batch_stop.cut(engine, rows)
+            if batch_stop is not None:
+                batch_stop.cut(engine, rows)
             if lockstep is not None:
                 lockstep.flush()
             if not progressed and not all(r.finished for r in rows):
@@ -135,8 +136,7 @@ def paged_generate(
     if lockstep is not None:
         lockstep.flush(final=True)
         streamer.end()
-    limit = row_hooks.batch_stop.target if row_hooks is not None and row_hooks.batch_stop is not None else None
-    return _assemble(gen_cfg, input_ids, rows, limit)
+    return _assemble(gen_cfg, input_ids, rows, batch_stop.target if batch_stop is not None else None)
 
 
 def _given(value) -> bool:
@@ -320,15 +320,18 @@ class _LockstepStreamer:
     has produced its k-th token or finished (finished rows contribute the pad token).
     """
 
-    def __init__(self, streamer, rows: list[_Row], pad: int) -> None:
+    def __init__(self, streamer, rows: list[_Row], pad: int, batch_stop: hooks.BatchStop | None = None) -> None:
         self.streamer = streamer
         self.rows = rows
         self.pad = pad
         self.sent = 0
+        self.batch_stop = batch_stop  # rows may run past its target: those tokens are cut, never streamed
 
     def flush(self, final: bool = False) -> None:
         while True:
             k = self.sent
+            if self.batch_stop is not None and self.batch_stop.target is not None and k >= self.batch_stop.target:
+                return
             if any(row.latest is None for row in self.rows):
                 return
             completions = [c for row in self.rows for c in row.latest.outputs]
