@@ -71,6 +71,8 @@ CASES = {
     "no_repeat_ngram_size": dict(no_repeat_ngram_size=1),
     "suppress_tokens": dict(suppress_tokens="from_free"),
     "begin_suppress_tokens": dict(begin_suppress_tokens="from_free"),
+    "forced_eos_token_id": dict(forced_eos_token_id=7, max_new_tokens=9),
+    "exponential_decay_length_penalty": dict(exponential_decay_length_penalty=(3, 1.6), eos_token_id="from_free"),
     "stacked with penalty and min length": dict(
         no_repeat_ngram_size=2, repetition_penalty=1.3, min_new_tokens=5, eos_token_id="from_free",
         logits_processor=LogitsProcessorList([BanRange()]),
@@ -110,9 +112,9 @@ def resolve(kwargs, free, width):
 @pytest.mark.parametrize("case", list(CASES))
 def test_wrapped_generate_runs_processors_in_the_engine_like_stock(llama, no_fallback, case):
     ids, mask = padded(PROMPTS)
-    base = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    base = dict(attention_mask=mask, max_new_tokens=CASES[case].get("max_new_tokens", NEW), do_sample=False, pad_token_id=0)
     free = llama.generate(ids, **base)
-    kwargs = resolve(CASES[case], free, ids.shape[1])
+    kwargs = resolve({k: v for k, v in CASES[case].items() if k != "max_new_tokens"}, free, ids.shape[1])
     want = llama.generate(ids, **base, **kwargs)
     assert not torch.equal(want, free)  # the processor changes the output, so the check below means something
     hf_paged.wrap(llama, num_blocks=256, block_size=8)

@@ -99,13 +99,13 @@ def paged_generate(
         input_ids = input_ids.unsqueeze(0)
     width = input_ids.shape[1]
     max_new = gen_cfg.max_new_tokens if gen_cfg.max_new_tokens is not None else gen_cfg.max_length - width
-    if hooks.max_length_override(stopping_criteria) is not None:  # a user's MaxLengthCriteria replaces stock's
-        max_new = hooks.max_length_override(stopping_criteria) - width
     row_hooks = None
     if hooks.uses_hooks(gen_cfg, logits_processor, stopping_criteria, prefix_allowed_tokens_fn):
         mask = _attention_mask(gen_cfg, model_kwargs, input_ids)
-        row_hooks = hooks.RowHooks(self, gen_cfg, input_ids, mask, logits_processor, stopping_criteria,
-                                   prefix_allowed_tokens_fn)
+        row_hooks = hooks.RowHooks(self, gen_cfg, input_ids, mask, width + max_new, logits_processor,
+                                   stopping_criteria, prefix_allowed_tokens_fn)
+        if hooks.max_length_override(stopping_criteria) is not None:  # a user's MaxLengthCriteria replaces stock's
+            max_new = hooks.max_length_override(stopping_criteria) - width
     if max_new <= 0:
         return _fallback(self, [f"no room for new tokens (max_new_tokens={max_new})"], stock_args, gen_cfg)
     if (gen_cfg.num_beams or 1) > 1:

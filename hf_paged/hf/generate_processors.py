@@ -191,6 +191,7 @@ class RowHooks:
     gen_cfg: GenerationConfig
     input_ids: torch.Tensor  # [B, width], padded as given
     mask: torch.Tensor  # [B, width] bool
+    max_length: int  # stock's generation_config.max_length once prepared: padded width + max new tokens
     logits_processor: object = None
     stopping_criteria: object = None
     prefix_allowed_tokens_fn: object = None
@@ -199,6 +200,10 @@ class RowHooks:
         cfg = copy.deepcopy(self.gen_cfg)
         # the engine samples: no warpers in the list; one row, one sample per list
         cfg.do_sample, cfg.num_beams, cfg.num_return_sequences = False, 1, 1
+        # what stock's _prepare_generated_length makes of the lengths (forced_eos_token_id reads max_length)
+        cfg.max_length = self.max_length
+        if cfg.min_new_tokens is not None:
+            cfg.min_length = cfg.min_new_tokens + self.input_ids.shape[1]
         self.model._prepare_special_tokens(cfg, True, device=self.input_ids.device)
         self.row_cfg = cfg
         self.criteria = [c for c in _items(self.stopping_criteria) if not isinstance(c, sc.MaxLengthCriteria)]
