@@ -26,7 +26,8 @@ def hooked_rows(states: Sequence[SeqState]) -> list[int]:
 
 def row_input_ids(state: SeqState, device: torch.device, extra: Sequence[int] = ()) -> torch.Tensor:
     """``LongTensor [1, L]``: the sequence's prompt, its generated tokens, then ``extra``."""
-    return torch.tensor([state.prompt_token_ids + state.output_token_ids + list(extra)], dtype=torch.long, device=device)
+    ids = state.prompt_token_ids + state.output_token_ids + list(extra)
+    return torch.tensor([ids], dtype=torch.long, device=device)
 
 
 def apply_logits_processors(logits: torch.Tensor, states: Sequence[SeqState], rows: Sequence[int]) -> None:

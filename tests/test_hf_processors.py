@@ -355,3 +355,15 @@ def test_streamer_with_a_batch_wide_stop_gets_stock_puts(llama, no_fallback):
     ours = StreamRecorder()
     got = llama.generate(ids, streamer=ours, **kw)
     assert torch.equal(got, want) and ours.puts == stock.puts and ours.ended
+
+
+def test_assisted_generation_with_processors_does_not_speculate_and_equals_stock(llama, no_fallback):
+    prompt = torch.tensor([PROMPTS[1] * 2])  # repeated text: prompt lookup would find drafts
+    kw = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3, no_repeat_ngram_size=2)
+    want = llama.generate(prompt, **kw)
+    hf_paged.wrap(llama, num_blocks=256, block_size=8)
+    got = llama.generate(prompt, **kw)
+    assert torch.equal(got, want)
+    assert llama.paged.stats().spec_num_drafts == 0
+    plain = llama.generate(prompt, max_new_tokens=NEW, do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3)
+    assert llama.paged.stats().spec_num_drafts > 0 and not torch.equal(plain, got)  # speculation was on offer

@@ -64,7 +64,9 @@ def _field_set(gen_cfg: GenerationConfig, name: str) -> bool:
     return value is not None and (name != "no_repeat_ngram_size" or value > 0)
 
 
-def fallback_reasons(gen_cfg: GenerationConfig, logits_processor, stopping_criteria, prefix_allowed_tokens_fn) -> list[str]:
+def fallback_reasons(
+    gen_cfg: GenerationConfig, logits_processor, stopping_criteria, prefix_allowed_tokens_fn
+) -> list[str]:
     """What of these cannot run row by row in the engine (each reason names it); empty: all of it can."""
     reasons = []
     given = [name for name, value in (("logits_processor", _items(logits_processor)),
@@ -80,7 +82,7 @@ def fallback_reasons(gen_cfg: GenerationConfig, logits_processor, stopping_crite
             reasons.append(f"logits_processor {name} (needs the whole batch)")
         elif isinstance(proc, _WARPERS) and gen_cfg.do_sample:
             reasons.append(f"logits_processor {name} (a sampling warper) with do_sample")
-        elif isinstance(proc, lp.RepetitionPenaltyLogitsProcessor) and isinstance(proc.prompt_ignore_length, torch.Tensor):
+        elif isinstance(proc, lp.RepetitionPenaltyLogitsProcessor) and torch.is_tensor(proc.prompt_ignore_length):
             reasons.append(f"logits_processor {name} with a per-row prompt_ignore_length")
         elif not callable(proc):
             reasons.append(f"logits_processor entry {proc!r} (not callable)")
@@ -227,5 +229,7 @@ class RowHooks:
             model_kwargs={"attention_mask": self.mask[b : b + 1].long()},
         )
         procs = [RowProcessors(view, processors)] if len(processors) else []
-        crits = [RowCriteria(view, self.criteria, bool(self.gen_cfg.output_scores), self.batch_stop)] if self.criteria else []
+        crits = []
+        if self.criteria:
+            crits.append(RowCriteria(view, self.criteria, bool(self.gen_cfg.output_scores), self.batch_stop))
         return procs, crits
