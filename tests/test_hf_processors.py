@@ -367,3 +367,34 @@ def test_assisted_generation_with_processors_does_not_speculate_and_equals_stock
     assert llama.paged.stats().spec_num_drafts == 0
     plain = llama.generate(prompt, max_new_tokens=NEW, do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3)
     assert llama.paged.stats().spec_num_drafts > 0 and not torch.equal(plain, got)  # speculation was on offer
+
+
+def test_a_failing_processor_raises_from_wrapped_generate(llama, no_fallback):
+    ids, mask = padded(PROMPTS)
+
+    def nothing_allowed_for_row_2(batch_id, sent):
+        return [] if batch_id == 2 else list(range(512))
+
+    hf_paged.wrap(llama, num_blocks=256, block_size=8)
+    with pytest.raises(RuntimeError, match="input row 2: .*ValueError: `prefix_allowed_tokens_fn` returned an empty list"):
+        llama.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                       prefix_allowed_tokens_fn=nothing_allowed_for_row_2)
+    llama.paged.kv_manager.check_consistency()
+    assert llama.paged.kv_manager.num_free_blocks == 256
+
+
+def test_engine_stopping_criteria_stop_each_sample_on_its_own():
+    model = make_model("llama")
+    prompt = make_prompts(1, [12], seed=4)[0]
+    engine = PagedGenerator(model, num_blocks=128, block_size=8)
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=3, n=4,
+                            stopping_criteria=[lambda ids, scores: bool(ids[0, -1] % 5 == 0)])
+    out = engine.generate([prompt], params, use_tqdm=False)[0]
+    for c in out.outputs:
+        hits = [k for k, t in enumerate(c.token_ids) if t % 5 == 0]
+        if hits:
+            assert len(c.token_ids) == hits[0] + 1 and c.finish_reason == "stop"
+        else:
+            assert len(c.token_ids) == 30 and c.finish_reason == "length"
+    assert len({len(c.token_ids) for c in out.outputs}) > 1
+    assert engine.kv_manager.num_free_blocks == 128

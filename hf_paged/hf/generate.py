@@ -133,6 +133,9 @@ def paged_generate(
         for row in rows:
             if not row.finished:
                 engine.abort(row.request_id)
+    failed = [(row.source, c.error) for row in rows for c in row.latest.outputs if c.finish_reason == "error"]
+    if failed:  # stock would have raised; a row cut short must not pass for an answer
+        raise RuntimeError(f"hf_paged: generation failed for input row {failed[0][0]}: {failed[0][1]}")
     if lockstep is not None:
         lockstep.flush(final=True)
         streamer.end()
