@@ -398,3 +398,30 @@ def test_engine_stopping_criteria_stop_each_sample_on_its_own():
             assert len(c.token_ids) == 30 and c.finish_reason == "length"
     assert len({len(c.token_ids) for c in out.outputs}) > 1
     assert engine.kv_manager.num_free_blocks == 128
+
+
+class StopOnCloseCall(StoppingCriteria):
+    """Reads stock's accumulated scores: stops a row once its top two processed scores were close."""
+
+    def __call__(self, input_ids, scores):
+        top = scores[-1].topk(2, dim=-1).values
+        return (top[:, 0] - top[:, 1]) < 0.5
+
+
+class Flatten(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        return scores * 0.3
+
+
+@pytest.mark.parametrize("processor", [False, True])
+def test_criteria_get_stock_scores_with_output_scores(llama, no_fallback, processor):
+    ids, mask = padded(PROMPTS)
+    kw = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+              output_scores=True, stopping_criteria=StoppingCriteriaList([StopOnCloseCall()]))
+    if processor:  # flattens the scores: the criterion fires on processed scores earlier than on raw ones
+        kw["logits_processor"] = LogitsProcessorList([BanRange(), Flatten()])
+    want = llama.generate(ids, **kw)
+    assert want.sequences.shape[1] < ids.shape[1] + NEW  # the criterion fired
+    hf_paged.wrap(llama, num_blocks=256, block_size=8)
+    got = llama.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)

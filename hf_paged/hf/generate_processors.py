@@ -120,10 +120,12 @@ class RowProcessors:
     def __init__(self, view: StockRowView, processors: lp.LogitsProcessorList) -> None:
         self.view = view
         self.processors = processors
+        self.last: torch.Tensor | None = None  # the latest processed row (stock's scores, before any warper)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         ids = self.view(input_ids)
-        return self.processors(ids, scores.to(ids.device)).to(scores.device)
+        self.last = self.processors(ids, scores.to(ids.device))
+        return self.last.to(scores.device)
 
     def __repr__(self) -> str:
         return f"RowProcessors({[type(p).__name__ for p in self.processors]})"
@@ -161,20 +163,28 @@ class BatchStop:
 class RowCriteria:
     """One row's user stopping criteria, as one engine stopping criterion.
 
-    Stock passes them its ``scores`` tuple, which is None without ``output_scores``; so do we. With
-    ``output_scores`` they get this row's current logits ``[1, V]`` (stock: the tuple of every step's batch
-    scores). With ``batch_stop`` (no EOS criterion) a fired row goes on until every row has fired.
+    Stock passes them its ``scores`` variable: None without ``output_scores``, else the tuple of every step's
+    processed scores. So do we, with this row's ``[1, V]`` rows (processed by the row's processor list; the
+    warpers of a sampled call are not in them). With ``batch_stop`` (no EOS criterion) a fired row goes on
+    until every row has fired.
     """
 
-    def __init__(self, view: StockRowView, criteria: list, output_scores: bool, batch_stop: BatchStop | None) -> None:
+    def __init__(
+        self, view: StockRowView, criteria: list, processors: RowProcessors | None, output_scores: bool,
+        batch_stop: BatchStop | None,
+    ) -> None:
         self.view = view
         self.criteria = sc.StoppingCriteriaList(criteria)
-        self.output_scores = output_scores
+        self.processors = processors
+        self.history: list[torch.Tensor] | None = [] if output_scores else None
         self.batch_stop = batch_stop
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor | bool:
         ids = self.view(input_ids)
-        fired = self.criteria(ids, scores.to(ids.device) if self.output_scores else None)
+        if self.history is not None:
+            latest = self.processors.last if self.processors is not None else scores
+            self.history.append(latest.to(ids.device))
+        fired = self.criteria(ids, None if self.history is None else tuple(self.history))
         if self.batch_stop is None:
             return fired
         generated = ids.shape[1] - self.view.row.shape[1]
@@ -231,5 +241,7 @@ class RowHooks:
         procs = [RowProcessors(view, processors)] if len(processors) else []
         crits = []
         if self.criteria:
-            crits.append(RowCriteria(view, self.criteria, bool(self.gen_cfg.output_scores), self.batch_stop))
+            crits.append(RowCriteria(view, self.criteria, procs[0] if procs else None,
+                                     bool(self.gen_cfg.output_scores and self.gen_cfg.return_dict_in_generate),
+                                     self.batch_stop))
         return procs, crits
