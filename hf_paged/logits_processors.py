@@ -3,9 +3,10 @@
 A request's ``SamplingParams.logits_processors`` run on its own logits row, with its own ``input_ids``
 (prompt + generated so far, ``[1, L]``), between the engine's penalties and its temperature / top-k / top-p /
 min-p (where ``GenerationMixin._get_logits_processor`` puts custom processors, before the warpers). Its
-``stopping_criteria`` run after each token it gets. Rows without hooks cost nothing: the sampler asks
-:func:`hooked_rows` only when some state in the batch has hooks, and the model runner looks at a row's
-criteria inside the loop it already runs to emit the row's token.
+``stopping_criteria`` run after each token it gets. Rows without hooks cost nothing: a batch of plain greedy
+rows never reaches :func:`hooked_rows` (the sampler's one-pass argmax path), the processors run only on the
+rows that have them, and the model runner looks at a row's criteria inside the loop it already runs to emit
+the row's token.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def criteria_stop(state: SeqState, token: int, scores: torch.Tensor) -> bool:
                 raise ValueError(f"stopping criterion {_name(criterion)} returned shape {tuple(verdict.shape)}, "
                                  "expected one value for the one sequence")
             verdict = verdict.item()
-        if not isinstance(verdict, (bool, int)):
+        if verdict is None or isinstance(verdict, (str, bytes, list, tuple, dict)):
             raise TypeError(f"stopping criterion {_name(criterion)} returned {verdict!r}, expected a bool tensor")
         if verdict:
             return True

@@ -159,8 +159,8 @@ class Sampler:
         """Each row's logits as its request samples from them: ``(processed [N, V] fp32, sampled rows)``.
 
         Stop tokens banned under ``min_tokens``, the repetition penalty, the request's logits processors
-        (:mod:`hf_paged.logits_processors`), and for sampled (non-greedy) rows temperature, top-k, top-p and min-p. ``extras[i]``: tokens row i sees after its state's output (the
-        drafts before a verified position). Raises :class:`NonFiniteLogits` for NaN or +inf rows.
+        (:mod:`hf_paged.logits_processors`), and for sampled (non-greedy) rows temperature, top-k, top-p and
+        min-p. ``extras[i]``: tokens row i sees after its state's output (the drafts before a verified position). Raises :class:`NonFiniteLogits` for NaN or +inf rows.
         """
         vocab = logits.shape[-1]
         _check_finite(logits.amax(dim=-1), states)

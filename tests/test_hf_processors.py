@@ -6,6 +6,7 @@ also differs from the unconstrained output, so the processor really acted. Engin
 ``SamplingParams(logits_processors=..., stopping_criteria=...)`` per request in a continuous batch.
 """
 
+import re
 import warnings
 
 import pytest
@@ -425,3 +426,19 @@ def test_criteria_get_stock_scores_with_output_scores(llama, no_fallback, proces
     hf_paged.wrap(llama, num_blocks=256, block_size=8)
     got = llama.generate(ids, **kw)
     assert torch.equal(got.sequences, want.sequences)
+
+
+@pytest.mark.parametrize(
+    "criterion,match",
+    [
+        (lambda ids, scores: torch.tensor([True, False]), "returned shape \\(2,\\), expected one value"),
+        (lambda ids, scores: None, "returned None, expected a bool tensor"),
+    ],
+)
+def test_a_criterion_with_a_bad_answer_fails_its_request(criterion, match):
+    model = make_model("llama")
+    engine = PagedGenerator(model, num_blocks=32, block_size=8)
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, stopping_criteria=[criterion]),
+                          use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "error" and re.search(match, out.error)
+    assert engine.kv_manager.num_free_blocks == 32
