@@ -182,7 +182,8 @@ class PagedGenerator(GeneratorClients):
             raise ValueError(f"stop_token_ids {outside} are outside the vocabulary [0, {self.vocab_size})")
         request = Sequence(rid, ids, params, self.eos_token_ids, self.max_model_len, prompt=text, priority=priority)
         spec = SpeculativeConfig.from_value(speculative) if speculative is not None else self.config.speculative_config
-        if spec is not None and params.num_speculative_tokens != 0:
+        # logits processors and stopping criteria see one token at a time: such requests never speculate
+        if spec is not None and params.num_speculative_tokens != 0 and not params.has_hooks:
             # settings only: its proposer (a draft model to load, a probe forward) is built at admission, which
             # runs where the steps run (the engine loop's thread), never beside a forward
             request.spec_key, request.spec_k, request.spec_lookahead, request.spec_disable_batch_size = (

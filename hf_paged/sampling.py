@@ -14,6 +14,7 @@ import torch
 
 from hf_paged.core.scheduler_output import NewSequenceData
 from hf_paged.cpu import fused_ops
+from hf_paged.logits_processors import apply_logits_processors, hooked_rows
 from hf_paged.sampling_params import SamplingParams
 
 
@@ -98,7 +99,8 @@ class SeqState:
     def needs_processing(self) -> bool:
         """Anything beyond an argmax of the raw logits (sampling, a penalty, a stop-token ban)."""
         p = self.params
-        return not p.greedy or p.repetition_penalty != 1.0 or (not self.stop_tokens_allowed and bool(self.stop_token_ids))
+        return (not p.greedy or p.repetition_penalty != 1.0 or bool(p.logits_processors)
+                or (not self.stop_tokens_allowed and bool(self.stop_token_ids)))
 
     def get_generator(self, device: torch.device) -> torch.Generator | None:
         if self.params.seed is None:
@@ -156,9 +158,9 @@ class Sampler:
     ) -> tuple[torch.Tensor, list[int]]:
         """Each row's logits as its request samples from them: ``(processed [N, V] fp32, sampled rows)``.
 
-        Stop tokens banned under ``min_tokens``, the repetition penalty, and for sampled (non-greedy) rows
-        temperature, top-k, top-p and min-p. ``extras[i]``: tokens row i sees after its state's output (the
-        drafts before a verified position). Raises :class:`NonFiniteLogits` for NaN or +inf rows.
+        Stop tokens banned under ``min_tokens``, the repetition penalty, the request's logits processors
+        (:mod:`hf_paged.logits_processors`), and for sampled (non-greedy) rows temperature, top-k, top-p and
+        min-p. ``extras[i]``: tokens row i sees after its state's output (the drafts before a verified position). Raises :class:`NonFiniteLogits` for NaN or +inf rows.
         """
         vocab = logits.shape[-1]
         _check_finite(logits.amax(dim=-1), states)
@@ -169,11 +171,15 @@ class Sampler:
                 bans.append((i, [t for t in st.stop_token_ids if t < vocab]))
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         penalized = any(s.params.repetition_penalty != 1.0 for s in states)
+        hooked = hooked_rows(states)
+        assert not (hooked and extras is not None), "requests with logits processors never speculate"
         # the caller's logits stay untouched (logprobs are computed from them); copy only what is changed
-        logits = logits.float().clone() if bans or random_rows or penalized else logits.float()
+        logits = logits.float().clone() if bans or random_rows or penalized or hooked else logits.float()
         for i, banned in bans:
             logits[i, banned] = float("-inf")
         self._apply_repetition_penalty(logits, states, extras)
+        if hooked:  # HF's order: custom processors after the penalties and bans, before the warpers
+            apply_logits_processors(logits, states, hooked)
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             params = [states[i].params for i in random_rows]

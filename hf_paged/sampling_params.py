@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 from hf_paged.structured_params import StructuredOutputsParams
@@ -41,6 +42,19 @@ def _check_float(name: str, value: object) -> float:
     return float(value)
 
 
+def _check_callables(name: str, value: object) -> list[Callable] | None:
+    """None or a list of callables (a ``LogitsProcessorList`` is a list; a bare callable is refused)."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of callables, got {value!r} ({type(value).__name__})")
+    items = list(value)
+    for item in items:
+        if not callable(item):
+            raise TypeError(f"{name} entries must be callable (input_ids, scores), got {item!r} ({type(item).__name__})")
+    return items or None
+
+
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one request.
@@ -70,6 +84,17 @@ class SamplingParams:
         structured_outputs: Constrain the output to a JSON schema, any JSON object, a regex, a choice of
             strings or an EBNF grammar (:class:`StructuredOutputsParams`, or a dict of its fields). Needs the
             engine's tokenizer and ``pip install 'hf-paged[structured]'``.
+        logits_processors: Callables with HF's ``LogitsProcessor`` signature, ``(input_ids: LongTensor [1, L],
+            scores: FloatTensor [1, V]) -> FloatTensor [1, V]``, applied in order to this sequence's logits row
+            after ``repetition_penalty`` and the ``min_tokens`` stop-token ban and before temperature, top-k,
+            top-p and min-p (HF's order); ``input_ids`` is the prompt + the tokens generated so far. Each is
+            called once per generated token per sequence, in order (``n`` samples share the objects). A request
+            with processors does not speculate.
+        stopping_criteria: Callables with HF's ``StoppingCriteria`` signature, ``(input_ids: LongTensor [1, L],
+            scores: FloatTensor [1, V]) -> BoolTensor [1]`` (or a bool), called after each generated token with
+            ``input_ids`` ending with it and ``scores`` the logits row it was picked from (fp32, before any
+            processing); True ends the sequence (``finish_reason="stop"``, the token kept). A request with
+            criteria does not speculate.
     """
 
     max_tokens: int = 16
@@ -87,6 +112,8 @@ class SamplingParams:
     logprobs: int | None = None
     num_speculative_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    logits_processors: list[Callable] | None = field(default=None)
+    stopping_criteria: list[Callable] | None = field(default=None)
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -132,6 +159,13 @@ class SamplingParams:
             _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        self.logits_processors = _check_callables("logits_processors", self.logits_processors)
+        self.stopping_criteria = _check_callables("stopping_criteria", self.stopping_criteria)
+
+    @property
+    def has_hooks(self) -> bool:
+        """Whether Python callables (logits processors, stopping criteria) run for this request each token."""
+        return bool(self.logits_processors or self.stopping_criteria)
 
     @property
     def greedy(self) -> bool:

@@ -105,3 +105,4 @@ class ModelRunnerOutput:
     num_accepted_tokens: dict[int, int] = field(default_factory=dict)  # of those, accepted
     scores: dict[int, object] = field(default_factory=dict)  # HF output_scores: processed logits rows (torch)
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)  # drafts to verify next step
+    stopped: set[int] = field(default_factory=set)  # sequences a stopping criterion ended at this step's token

@@ -127,4 +127,7 @@ class SchedulerUpdate:
                 request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
                 self._remove_from_queue(request)
                 self._finish(request, status, now)
-                break
+                return
+        if result is not None and request.seq_id in result.stopped:  # a stopping criterion (no speculation)
+            self._remove_from_queue(request)
+            self._finish(request, SequenceStatus.FINISHED_STOPPED, now)

@@ -20,6 +20,7 @@ from hf_paged.core.scheduler_output import ModelRunnerOutput, SampledLogprobs, S
 from hf_paged.executor.input_batch import BlockTables, pack_step, table_tensor
 from hf_paged.executor.step_runners import EagerStepRunner, Step, StepInputs, StepRunner
 from hf_paged.kv_pool import KVPool
+from hf_paged.logits_processors import criteria_stop
 from hf_paged.sampling import Sampler, SeqState
 from hf_paged.spec_decode.speculator import Speculator
 from hf_paged.spec_decode.verifier import verify
@@ -182,8 +183,11 @@ class ModelRunner:
                 masked = sub
             tokens = self._sample_isolated(masked, states, scores, result.errors)
             for i, (state, token) in enumerate(zip(states, tokens)):
-                if token is not None:
-                    self._emit(result, state, [token], sub[i : i + 1])
+                if token is None:
+                    continue
+                if state.params.stopping_criteria and not self._check_criteria(result, state, token, sub[i : i + 1]):
+                    continue
+                self._emit(result, state, [token], sub[i : i + 1])
         if verify_items:
             self._verify(logits, verify_items, result, scores)
         result.scores = scores
@@ -202,6 +206,18 @@ class ModelRunner:
         result.sampled_token_ids[state.seq_id] = tokens
         if state.params.logprobs is not None:
             result.logprobs[state.seq_id] = [_logprobs(rows[i], t, state.params.logprobs) for i, t in enumerate(tokens)]
+
+    def _check_criteria(self, result: ModelRunnerOutput, state: SeqState, token: int, row: torch.Tensor) -> bool:
+        """Run the sequence's stopping criteria on its new token (a True marks it stopped); False if one raised
+        (the request then fails alone with the error)."""
+        try:
+            if criteria_stop(state, token, row.float()):
+                result.stopped.add(state.seq_id)
+        except Exception as e:  # noqa: BLE001 - the request fails, the step goes on
+            logger.warning("a stopping criterion failed for sequence %s: %s", state.seq_id, e)
+            result.errors[state.seq_id] = f"stopping criterion failed: {type(e).__name__}: {e}"
+            return False
+        return True
 
     def _verify(self, logits: torch.Tensor, items: list, result: ModelRunnerOutput, scores: dict) -> None:
         index = torch.tensor([r for row, item, _ in items for r in range(row, row + 1 + item.num_draft_tokens)],

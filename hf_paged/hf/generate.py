@@ -17,6 +17,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from hf_paged.cache import CACHE_KWARG, PagedCache
+from hf_paged.hf import generate_processors as hooks
 from hf_paged.hf.generate_beam import beam_generate
 from hf_paged.outputs import RequestOutput
 from hf_paged.sampling_params import SamplingParams
@@ -76,6 +77,7 @@ def paged_generate(
     reasons = [name for name in _CALLABLE_ARGS if _given(stock_args.get(name))]
     gen_cfg, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
     reasons += _unsupported_fields(self, gen_cfg)
+    reasons += hooks.fallback_reasons(gen_cfg, logits_processor, stopping_criteria, prefix_allowed_tokens_fn)
     input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
     reasons += [f"model kwarg {k!r}" for k in model_kwargs if k not in SUPPORTED_MODEL_KWARGS]
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (1, 2) or input_ids.is_floating_point():
@@ -97,6 +99,13 @@ def paged_generate(
         input_ids = input_ids.unsqueeze(0)
     width = input_ids.shape[1]
     max_new = gen_cfg.max_new_tokens if gen_cfg.max_new_tokens is not None else gen_cfg.max_length - width
+    row_hooks = None
+    if hooks.uses_hooks(gen_cfg, logits_processor, stopping_criteria, prefix_allowed_tokens_fn):
+        mask = _attention_mask(gen_cfg, model_kwargs, input_ids)
+        row_hooks = hooks.RowHooks(self, gen_cfg, input_ids, mask, width + max_new, logits_processor,
+                                   stopping_criteria, prefix_allowed_tokens_fn)
+        if hooks.max_length_override(stopping_criteria) is not None:  # a user's MaxLengthCriteria replaces stock's
+            max_new = hooks.max_length_override(stopping_criteria) - width
     if max_new <= 0:
         return _fallback(self, [f"no room for new tokens (max_new_tokens={max_new})"], stock_args, gen_cfg)
     if (gen_cfg.num_beams or 1) > 1:
@@ -104,8 +113,9 @@ def paged_generate(
                              _min_new(gen_cfg, width))
     engine = self.paged
     speculative = _speculative_config(gen_cfg, assistant_model)
-    rows = _add_rows(engine, gen_cfg, model_kwargs, input_ids, max_new, speculative)
-    lockstep = _LockstepStreamer(streamer, rows, _pad_id(gen_cfg)) if streamer else None
+    rows = _add_rows(engine, gen_cfg, model_kwargs, input_ids, max_new, speculative, row_hooks)
+    batch_stop = row_hooks.batch_stop if row_hooks is not None else None
+    lockstep = _LockstepStreamer(streamer, rows, _pad_id(gen_cfg), batch_stop) if streamer else None
     if streamer is not None:
         streamer.put(input_ids.cpu())
     try:
@@ -113,6 +123,8 @@ def paged_generate(
             progressed = False
             for row in rows:
                 progressed |= row.read(engine)
+            if batch_stop is not None:
+                batch_stop.cut(engine, rows)
             if lockstep is not None:
                 lockstep.flush()
             if not progressed and not all(r.finished for r in rows):
@@ -121,10 +133,13 @@ def paged_generate(
         for row in rows:
             if not row.finished:
                 engine.abort(row.request_id)
+    failed = [(row.source, c.error) for row in rows for c in row.latest.outputs if c.finish_reason == "error"]
+    if failed:  # stock would have raised; a row cut short must not pass for an answer
+        raise RuntimeError(f"hf_paged: generation failed for input row {failed[0][0]}: {failed[0][1]}")
     if lockstep is not None:
         lockstep.flush(final=True)
         streamer.end()
-    return _assemble(gen_cfg, input_ids, rows)
+    return _assemble(gen_cfg, input_ids, rows, batch_stop.target if batch_stop is not None else None)
 
 
 def _given(value) -> bool:
@@ -133,10 +148,8 @@ def _given(value) -> bool:
     return not (isinstance(value, (list, tuple)) and len(value) == 0)
 
 
-_CALLABLE_ARGS = {
-    "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
-    "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate",
-}
+# (logits_processor, stopping_criteria and prefix_allowed_tokens_fn run per row: see generate_processors)
+_CALLABLE_ARGS = {"synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate"}
 
 
 def _unsupported_fields(model, gen_cfg: GenerationConfig) -> list[str]:
@@ -144,7 +157,7 @@ def _unsupported_fields(model, gen_cfg: GenerationConfig) -> list[str]:
     out = []
     for key, value in gen_cfg.to_dict().items():
         # a falsy value (None, False, 0, empty) switches the corresponding processor off
-        if key in SUPPORTED_FIELDS or not value or value == defaults.get(key):
+        if key in SUPPORTED_FIELDS or key in hooks.IN_ENGINE_FIELDS or not value or value == defaults.get(key):
             continue
         out.append(key)
     if (gen_cfg.num_beams or 1) > 1:
@@ -247,7 +260,8 @@ def _speculative_config(gen_cfg: GenerationConfig, assistant_model) -> dict | No
 
 
 def _add_rows(
-    engine, gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: torch.Tensor, max_new: int, speculative=None
+    engine, gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: torch.Tensor, max_new: int, speculative=None,
+    row_hooks: hooks.RowHooks | None = None,
 ) -> list[_Row]:
     prompts = _prompts(gen_cfg, model_kwargs, input_ids)
     min_new = _min_new(gen_cfg, input_ids.shape[1])
@@ -278,11 +292,23 @@ def _add_rows(
                 stop=[stop] if isinstance(stop, str) else stop,
                 n=n_return,
             )
-            rid = engine.add_request(
-                prompt, params, tokenizer=tokenizer, return_scores=bool(gen_cfg.output_scores), queue_outputs=True,
-                speculative_config=speculative, stop_at_context=True,  # stock max_new_tokens: cut at the context
-            )
-            rows.append(_Row(rid, b, engine.scores_of(rid)))
+            samples = [params]
+            if row_hooks is not None:
+                # stock's processor list (penalty and min length included) runs per row; each sample is its own
+                # request with its own processor and criteria objects (seed + k, as a forked sample's)
+                samples = []
+                for k in range(n_return):
+                    procs, crits = row_hooks.for_row(b)
+                    samples.append(params.clone(
+                        n=1, min_tokens=0, repetition_penalty=1.0, logits_processors=procs, stopping_criteria=crits,
+                        seed=None if params.seed is None else (params.seed + k) % 2**62))
+            for sample in samples:
+                rid = engine.add_request(
+                    prompt, sample, tokenizer=tokenizer, return_scores=bool(gen_cfg.output_scores),
+                    queue_outputs=True, speculative_config=speculative,
+                    stop_at_context=True,  # stock max_new_tokens: cut at the context
+                )
+                rows.append(_Row(rid, b, engine.scores_of(rid)))
     except BaseException:
         for row in rows:
             engine.abort(row.request_id)
@@ -297,15 +323,18 @@ class _LockstepStreamer:
     has produced its k-th token or finished (finished rows contribute the pad token).
     """
 
-    def __init__(self, streamer, rows: list[_Row], pad: int) -> None:
+    def __init__(self, streamer, rows: list[_Row], pad: int, batch_stop: hooks.BatchStop | None = None) -> None:
         self.streamer = streamer
         self.rows = rows
         self.pad = pad
         self.sent = 0
+        self.batch_stop = batch_stop  # rows may run past its target: those tokens are cut, never streamed
 
     def flush(self, final: bool = False) -> None:
         while True:
             k = self.sent
+            if self.batch_stop is not None and self.batch_stop.target is not None and k >= self.batch_stop.target:
+                return
             if any(row.latest is None for row in self.rows):
                 return
             completions = [c for row in self.rows for c in row.latest.outputs]
@@ -323,10 +352,11 @@ class _LockstepStreamer:
             self.sent += 1
 
 
-def _assemble(gen_cfg: GenerationConfig, input_ids: torch.Tensor, rows: list[_Row]):
+def _assemble(gen_cfg: GenerationConfig, input_ids: torch.Tensor, rows: list[_Row], limit: int | None = None):
+    """The stock output; ``limit``: every row's tokens cut to this many (a batch-wide stop, see BatchStop)."""
     pad = _pad_id(gen_cfg)
     completions = [(row, c) for row in rows for c in row.latest.outputs]
-    outs = [c.token_ids for _, c in completions]
+    outs = [c.token_ids[:limit] for _, c in completions]
     new = max(len(o) for o in outs)
     width = input_ids.shape[1]
     sequences = torch.full((len(outs), width + new), pad, dtype=input_ids.dtype)
