@@ -14,7 +14,7 @@ and its global stop condition depends on them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -60,6 +60,8 @@ class BeamSearch:
         request_id: Base of the internal request ids.
         new_seq_id: Gives the id of a forked beam (the scheduler's sequence ids).
         keep_scores: Keep each step's processed log-probs (HF ``output_scores``).
+        grammar: The compiled structured output every beam follows (``BeamSearchParams.structured_outputs``
+            after the engine compiled it); the runner masks each beam's row with its own matcher.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class BeamSearch:
         new_seq_id,
         keep_scores: bool = False,
         device: torch.device | str = "cpu",
+        grammar=None,
     ) -> None:
         self.prompts = prompts
         self.params = params
@@ -98,7 +101,11 @@ class BeamSearch:
         self.error: str | None = None  # why the search failed (a failed engine step), if it did
         self.scores: list[torch.Tensor] | None = [] if keep_scores else None
         # Beams never stop by themselves: the search finishes them. Greedy params keep the runner from sampling.
-        seq_params = SamplingParams(max_tokens=M + 1, temperature=0.0, ignore_eos=True)
+        # With a grammar (compiled: ``grammar.compiled``), each beam's matcher ends at the search's stop tokens.
+        if grammar is not None:
+            compiled, grammar = grammar.compiled, replace(grammar)  # this search's copy (replace drops compiled)
+            grammar.compiled, grammar.stop_token_ids = compiled, frozenset(stops)
+        seq_params = SamplingParams(max_tokens=M + 1, temperature=0.0, ignore_eos=True, structured_outputs=grammar)
         self.prompt_requests = []
         for b, prompt in enumerate(prompts):
             request = Sequence(f"{request_id}-beam{b}", prompt, seq_params)

@@ -194,6 +194,9 @@ class BeamSearchParams:
         stop_token_ids: Extra tokens that finish a beam.
         min_tokens: Stop tokens are forbidden before this many generated tokens.
         repetition_penalty: HF's repetition penalty, applied to each beam's log-probabilities.
+        structured_outputs: Constrain every beam to a JSON schema, any JSON object, a regex, a choice or an EBNF
+            grammar (as :class:`SamplingParams`): each beam follows its own grammar matcher, and tokens the
+            grammar forbids get log-probability -inf. Needs the engine's tokenizer; not with ``min_tokens``.
     """
 
     beam_width: int = 4
@@ -205,6 +208,7 @@ class BeamSearchParams:
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
     repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, 1)
@@ -226,3 +230,5 @@ class BeamSearchParams:
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
         _check_penalty(self.repetition_penalty)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)

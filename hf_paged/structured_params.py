@@ -35,6 +35,8 @@ class StructuredOutputsParams:
     grammar: str | None = None
     # the engine's compiled grammar (set on the engine's own copy at admission, never by users)
     compiled: Any = field(default=None, init=False, repr=False, compare=False)
+    # beam search: the search's stop tokens end the grammar (its beams never stop by themselves)
+    stop_token_ids: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [name for name in KINDS if getattr(self, name) not in (None, False)]

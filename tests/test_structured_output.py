@@ -305,3 +305,32 @@ def test_a_slow_compile_never_stalls_running_requests(tok, monkeypatch):
         running.abort()
     finally:
         loop.shutdown()
+
+
+def test_beam_search_keeps_every_beam_in_the_grammar(engine, tok):
+    """Each beam follows its own matcher (forked with the beam, caught up with the tokens the search appends):
+    every returned beam is one of the choices / matches the regex, the constraint changes what unconstrained
+    beams say, and every block is free afterwards."""
+    from hf_paged import BeamSearchParams
+
+    choices = ["yes", "no", "maybe so", "absolutely not"]
+    prompts = ["Answer me", "Is it raining"]
+    free = engine.kv_manager.pool.num_free_blocks
+    plain = engine.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=8, num_return_sequences=3))
+    outs = engine.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=8, num_return_sequences=3,
+                                                        structured_outputs={"choice": choices}))
+    got = [tok.decode(s.token_ids, skip_special_tokens=True) for o in outs for s in o.sequences]
+    assert len(got) == 6 and all(text in choices for text in got), got
+    assert [s.token_ids for o in plain for s in o.sequences] != [s.token_ids for o in outs for s in o.sequences]
+    pattern = r"[0-9]{3}-[a-z]{2}"
+    outs = engine.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=12, num_return_sequences=2,
+                                                        structured_outputs=StructuredOutputsParams(regex=pattern)))
+    for o in outs:
+        for s in o.sequences:
+            assert re.fullmatch(pattern, tok.decode(s.token_ids, skip_special_tokens=True))
+    with pytest.raises(ValueError, match="min_tokens=2"):
+        engine.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=8, min_tokens=2,
+                                                     structured_outputs={"choice": choices}))
+    with pytest.raises(ValueError, match="regex"):
+        engine.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=8, structured_outputs={"regex": "(["}))
+    assert engine.kv_manager.pool.num_free_blocks == free

@@ -78,7 +78,8 @@ class ModelRunner:
             self.states[data.seq_id] = SeqState.from_new(data)
             grammar = data.sampling_params.structured_outputs
             if grammar is not None and grammar.compiled is not None:
-                self.structured.add(data.seq_id, grammar.compiled, data.stop_token_ids, data.output_token_ids)
+                stops = data.stop_token_ids if grammar.stop_token_ids is None else grammar.stop_token_ids
+                self.structured.add(data.seq_id, grammar.compiled, stops, data.output_token_ids)
         for item in out.scheduled:
             self.block_tables.apply(item)
 
@@ -161,7 +162,11 @@ class ModelRunner:
         for item in sampled:
             state = self.states[item.seq_id]
             if state.is_beam:
-                result.beam_rows[item.seq_id] = torch.log_softmax(logits[row].float(), dim=-1)
+                beam_row = logits[row : row + 1]
+                if item.seq_id in self.structured:  # its matcher follows the search's tokens; forbidden: -inf
+                    self.structured.follow(item.seq_id, len(state.prompt_token_ids), item.start, item.token_ids)
+                    beam_row = self.structured.mask(beam_row, [item.seq_id])
+                result.beam_rows[item.seq_id] = torch.log_softmax(beam_row[0].float(), dim=-1)
             elif item.num_draft_tokens:
                 verify_items.append((row, item, state))
             else:

@@ -23,6 +23,7 @@ class StructuredMatchers:
 
     def __init__(self) -> None:
         self.matchers: dict[int, object] = {}
+        self.accepted: dict[int, int] = {}  # output tokens each matcher has walked (beams: see follow)
         self._bitmask: torch.Tensor | None = None
 
     def __contains__(self, seq_id: int) -> bool:
@@ -35,19 +36,24 @@ class StructuredMatchers:
         """A matcher for a sequence new to the runner, replaying what it already generated (a fork)."""
         xgr = import_xgrammar()
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids))
+        walked = 0
         for token in output_token_ids:
             if matcher.is_terminated() or not matcher.accept_token(token):
                 break  # the scheduler stopped it there (or it was not generated under this grammar)
+            walked += 1
         self.matchers[seq_id] = matcher
+        self.accepted[seq_id] = walked
 
     def fork(self, parent: int, child: int) -> None:
         """Sample ``child`` of an n > 1 request starts from its parent's grammar state."""
         if parent in self.matchers:
             self.matchers[child] = self.matchers[parent].fork()
+            self.accepted[child] = self.accepted[parent]
 
     def drop(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
             self.matchers.pop(seq_id, None)
+            self.accepted.pop(seq_id, None)
 
     def accept(self, seq_id: int, tokens: Sequence[int]) -> str | None:
         """Advance ``seq_id``'s matcher over its new tokens; an error message if the grammar refuses one."""
@@ -59,7 +65,20 @@ class StructuredMatchers:
                 return None  # a stop token ended it: the scheduler drops what follows
             if not matcher.accept_token(token):
                 return f"token {token} breaks the request's structured output grammar"
+            self.accepted[seq_id] += 1
         return None
+
+    def follow(self, seq_id: int, prompt_len: int, start: int, token_ids: Sequence[int]) -> None:
+        """A beam's matcher catches up with the tokens its search appended: the step runs ``token_ids`` at
+        positions ``start ..``; those past the prompt that the matcher has not walked yet are accepted (a
+        recompute repeats walked ones; a beam new to the runner replayed its output in :meth:`add`)."""
+        matcher = self.matchers.get(seq_id)
+        if matcher is None:
+            return
+        for i, token in enumerate(token_ids):
+            if start + i - prompt_len == self.accepted[seq_id] and not matcher.is_terminated():
+                if matcher.accept_token(token):
+                    self.accepted[seq_id] += 1
 
     def _buffer(self, rows: int, vocab: int) -> torch.Tensor:
         xgr = import_xgrammar()
