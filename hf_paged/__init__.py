@@ -22,6 +22,7 @@ _EXPORTS = {
     "RequestOutput": "hf_paged.outputs",
     "RequestStream": "hf_paged.serving.stream",
     "SamplingParams": "hf_paged.sampling_params",
+    "load_gguf": "hf_paged.hf.gguf_loader",
     "pipeline": "hf_paged.hf.pipeline",
     "unwrap": "hf_paged.hf.wrap",
     "wrap": "hf_paged.hf.wrap",

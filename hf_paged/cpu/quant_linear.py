@@ -235,3 +235,45 @@ class QuantLinear(torch.nn.Module):
             )
             assert rc == 0, f"hfq_linear failed ({rc})"
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+class QuantEmbedding(torch.nn.Module):
+    """An embedding table kept quantized (a GGUF ``token_embd``): looked-up rows are dequantized on the fly.
+
+    Args:
+        num_embeddings: Rows (vocabulary size).
+        embedding_dim: Width (a multiple of 32).
+        fmt: One of the block formats of :data:`FORMATS` (not "int8", whose scales are per row).
+        qweight: uint8 ``[num_embeddings, embedding_dim // 32 * BLOCK_BYTES[fmt]]``.
+        padding_idx: As ``nn.Embedding``'s (kept for the model's bookkeeping; the row is what the file holds).
+        dtype: dtype of the returned embeddings.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, fmt: str, qweight: torch.Tensor,
+                 padding_idx: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        check_format(fmt, embedding_dim)
+        if fmt == "int8":
+            raise ValueError("QuantEmbedding takes the block formats q8_0, q4_0, q4_1")
+        want = (num_embeddings, embedding_dim // GROUP * BLOCK_BYTES[fmt])
+        if qweight.dtype != torch.uint8 or tuple(qweight.shape) != want:
+            raise ValueError(f"qweight must be uint8 of shape {want} for {fmt}, got {qweight.dtype} {tuple(qweight.shape)}")
+        self.num_embeddings, self.embedding_dim, self.fmt = num_embeddings, embedding_dim, fmt
+        self.padding_idx, self.dtype = padding_idx, dtype
+        self.register_buffer("qweight", qweight.contiguous())
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt}"
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids [...]`` -> ``[..., embedding_dim]``."""
+        rows = self.qweight.index_select(0, input_ids.reshape(-1).to(self.qweight.device))
+        lib = native_library() if rows.device.type == "cpu" else None
+        if lib is None:
+            out = dequantize_torch(rows, self.fmt, None, self.embedding_dim)
+        else:
+            out = torch.empty(rows.shape[0], self.embedding_dim)
+            rc = lib.hfq_dequantize(rows.data_ptr(), FORMATS[self.fmt], None, out.data_ptr(), rows.shape[0],
+                                    self.embedding_dim, torch.get_num_threads())
+            assert rc == 0, f"hfq_dequantize failed ({rc})"
+        return out.view(*input_ids.shape, self.embedding_dim).to(self.dtype)
