@@ -94,12 +94,18 @@ def test_torch_fallback_warns_once(monkeypatch, caplog):
     layer, _ = _case("q4_1")
     x = torch.randn(3, 96)
     want = F.linear(x, _reference_weight(layer), layer.bias)
-    monkeypatch.setattr(ql.probes, "probe", lambda *a: ql.probes.ProbeResult("linear.quant", torch.float32, False, "test"))
+    monkeypatch.setattr(ql.QUANT_GEMM, "_lib", None)
+    monkeypatch.setattr(ql.QUANT_GEMM, "_tried", True)
+    monkeypatch.setattr(ql.QUANT_GEMM, "why", "no compiler (test)")
     monkeypatch.setattr(ql, "_warned", False)
-    with caplog.at_level(logging.WARNING, logger="hf_paged.cpu.quant_linear"):
-        for _ in range(3):
-            torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
-    assert sum("dequantize in torch" in r.message for r in caplog.records) == 1
+    ql.probes.reset("linear.quant")
+    try:
+        with caplog.at_level(logging.WARNING, logger="hf_paged.cpu.quant_linear"):
+            for _ in range(3):
+                torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+    finally:
+        ql.probes.reset("linear.quant")  # the real library probes again afterwards
+    assert sum("dequantize in torch" in r.message and "no compiler (test)" in r.message for r in caplog.records) == 1
 
 
 def test_int4_is_q4_1_groups_and_bf16_inputs():

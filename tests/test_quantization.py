@@ -19,19 +19,24 @@ def _tokens(outs):
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_engine_equals_stock_generate_on_the_same_quantized_model(quantization):
     """The engine quantizes at start; stock generate on a copy quantized the same way (QuantLinear is a torch
-    module) gives the same tokens. Fused layers and the native program decline (eager serves). On close the
-    float layers come back."""
+    module) gives the same tokens, through the fused layers (which call the quantized projections) and the native
+    decode program (q/k/v and gate/up joined into one quantized weight each), and eagerly. On close the float
+    layers come back."""
     model = make_model(seed=5)
     prompts = make_prompts(5, lengths=[1, 9, 33, 40, 70], seed=2)
     params = SamplingParams(max_tokens=16, temperature=0.0)
     reference = copy.deepcopy(model)
     QuantizedLinears(reference, quantization)
     float_tokens = [stock_greedy(model, p, 16) for p in prompts]
-    with PagedGenerator(model, num_blocks=64, max_num_seqs=3, quantization=quantization) as engine:
+    with PagedGenerator(model, num_blocks=64, max_num_seqs=3, quantization=quantization, prepack_weights="native") as engine:
         linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
         assert len(linears) == 2 * 7 and type(model.lm_head) is torch.nn.Linear
-        assert engine.executor.fused is None and engine.executor.runner.fast is None
+        program = engine.executor.runner.fast
+        assert len(engine.executor.fused.layers) == 2 and type(program).__name__ == "DecodeProgram"
         outs = _tokens(engine.generate(prompts, params, use_tqdm=False))
+        assert program.num_runs > 0, program.why_not
+    with PagedGenerator(model, num_blocks=64, max_num_seqs=3, quantization=quantization, enforce_eager=True) as eager:
+        assert _tokens(eager.generate(prompts, params, use_tqdm=False)) == outs
     assert outs == [stock_greedy(reference, p, 16) for p in prompts]
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
     assert [stock_greedy(model, p, 16) for p in prompts] == float_tokens

@@ -143,6 +143,9 @@ probes.register("linear.quant", _probe)
 def native_library() -> ctypes.CDLL | None:
     """The kernel library if it builds and passes its probe here, else None (warned once)."""
     global _warned
+    known = probes._results.get(("linear.quant", torch.float32))  # the hot path: one dict read
+    if known is not None and known.ok and QUANT_GEMM._lib is not None:
+        return QUANT_GEMM._lib
     result = probes.probe("linear.quant", torch.float32)
     if result.ok:
         return QUANT_GEMM.load()
