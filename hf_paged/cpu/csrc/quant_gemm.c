@@ -23,6 +23,7 @@
 #endif
 #include <omp.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -148,10 +149,49 @@ static inline __attribute__((always_inline)) void row_tile(
             for (int v = 1; v < NV; ++v) s += q[v] * LD(xb + v * VW);
             if (fmt == FMT_INT8) acc[i] += s;
             else acc[i] += d * s;
-            if (fmt == FMT_Q4_1) macc[i] += m * xs[i * nb + b];
+            if (fmt == FMT_Q4_1) macc[i] = fmaf(m, xs[i * nb + b], macc[i]);
         }
     }
     for (int i = 0; i < mr; ++i) out[i] = hsum(acc[i]) + macc[i];
+}
+
+/* One row of x against NR_1 weight rows at once (M = 1, decode): the same operations per output as row_tile
+ * with mr = 1, in the same order (so the same bits), interleaved so that NR_1 independent chains hide the
+ * multiply-add latency and the x block is loaded once for all of them. */
+enum { NR_1 = 4 };
+static inline __attribute__((always_inline)) void rows_m1(
+    const int fmt, const int nb, const uint8_t* w, const size_t row_bytes, const float* x, const float* xs, float* out)
+{
+    const int bb = block_bytes(fmt);
+    vf acc[NR_1];
+    float macc[NR_1];
+    for (int r = 0; r < NR_1; ++r) acc[r] = (vf){0}, macc[r] = 0.0f;
+    for (int b = 0; b < nb; ++b) {
+        const float* xb = x + b * QK;
+        vf xv[NV];
+        for (int v = 0; v < NV; ++v) xv[v] = LD(xb + v * VW);
+        for (int r = 0; r < NR_1; ++r) {
+            vf q[NV];
+            float d, m;
+            unpack(fmt, w + r * row_bytes + (size_t)b * bb, q, &d, &m);
+            vf s = q[0] * xv[0];
+            for (int v = 1; v < NV; ++v) s += q[v] * xv[v];
+            if (fmt == FMT_INT8) acc[r] += s;
+            else acc[r] += d * s;
+            if (fmt == FMT_Q4_1) macc[r] = fmaf(m, xs[b], macc[r]); /* one rounding in both paths */
+        }
+    }
+    for (int r = 0; r < NR_1; ++r) out[r] = hsum(acc[r]) + macc[r];
+}
+
+static void rows_m1_any(int fmt, int nb, const uint8_t* w, size_t row_bytes, const float* x, const float* xs,
+                        float* out) {
+    switch (fmt) {
+    case FMT_Q8_0: rows_m1(FMT_Q8_0, nb, w, row_bytes, x, xs, out); break;
+    case FMT_Q4_0: rows_m1(FMT_Q4_0, nb, w, row_bytes, x, xs, out); break;
+    case FMT_Q4_1: rows_m1(FMT_Q4_1, nb, w, row_bytes, x, xs, out); break;
+    default: rows_m1(FMT_INT8, nb, w, row_bytes, x, xs, out); break;
+    }
 }
 
 static void row_tile_any(int fmt, int mr, int nb, const uint8_t* w, const float* x, int64_t ldx, const float* xs,
@@ -198,15 +238,27 @@ int hfq_linear(const float* x, int64_t ldx, const uint8_t* w, int fmt, const flo
             }
     }
     const size_t row_bytes = (size_t)nb * bb;
+    const int n4 = M == 1 ? N / NR_1 * NR_1 : 0; /* decode: NR_1 weight rows per pass */
+    if (n4) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int n = 0; n < N; ++n) {
+        for (int n = 0; n < n4; n += NR_1) {
+            float out[NR_1];
+            rows_m1_any(fmt, nb, w + (size_t)n * row_bytes, row_bytes, x, xs, out);
+            for (int r = 0; r < NR_1; ++r)
+                y[n + r] = fmt == FMT_INT8 ? fmaf(out[r], scales[n + r], bias ? bias[n + r] : 0.0f)
+                                           : out[r] + (bias ? bias[n + r] : 0.0f);
+        }
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int n = n4; n < N; ++n) {
         const uint8_t* wr = w + (size_t)n * row_bytes;
         const float s = fmt == FMT_INT8 ? scales[n] : 1.0f, bn = bias ? bias[n] : 0.0f;
         for (int m0 = 0; m0 < M; m0 += MR) {
             const int mr = M - m0 < MR ? M - m0 : MR;
             float out[MR];
             row_tile_any(fmt, mr, nb, wr, x + m0 * ldx, ldx, xs ? xs + (size_t)m0 * nb : NULL, out);
-            for (int i = 0; i < mr; ++i) y[(m0 + i) * ldy + n] = (fmt == FMT_INT8 ? out[i] * s : out[i]) + bn;
+            for (int i = 0; i < mr; ++i) /* fmaf: one rounding, as the M = 1 path */
+                y[(m0 + i) * ldy + n] = fmt == FMT_INT8 ? fmaf(out[i], s, bn) : out[i] + bn;
         }
     }
     free(xs);
