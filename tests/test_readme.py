@@ -61,9 +61,10 @@ PYTHON_SNIPPETS = blocks(README, "python")
 
 
 def test_readme_shows_the_three_snippets():
-    assert len(PYTHON_SNIPPETS) == 2, "the engine snippet and the transformers snippet"
+    assert len(PYTHON_SNIPPETS) == 3, "the engine snippet, the transformers snippet, the quantized-weights snippet"
     assert "PagedGenerator" in PYTHON_SNIPPETS[0] and "apply_chat_template" in PYTHON_SNIPPETS[0]
     assert all(name in PYTHON_SNIPPETS[1] for name in ("hf_paged.wrap", "model.generate", "pipeline("))
+    assert "quantized=True" in PYTHON_SNIPPETS[2]
     commands = {argv[0] for argv in cli_lines(README) if argv}
     assert {"generate", "serve", "chat"} <= commands
     assert len(README.read_text().splitlines()) <= 200, "the README stays short: depth goes to docs/"
