@@ -23,6 +23,7 @@ _EXPORTS = {
     "RequestStream": "hf_paged.serving.stream",
     "SamplingParams": "hf_paged.sampling_params",
     "StructuredOutputsParams": "hf_paged.structured_params",
+    "load_gguf": "hf_paged.hf.gguf_loader",
     "pipeline": "hf_paged.hf.pipeline",
     "unwrap": "hf_paged.hf.wrap",
     "wrap": "hf_paged.hf.wrap",

@@ -21,12 +21,22 @@ from hf_paged.cli_checks import (  # noqa: F401 - _chat_messages re-exported
 def _load(args):
     from hf_paged.default_model import load_default, load_model
 
+    quantization = getattr(args, "quantization", None)
     try:
         if args.model:
+            if quantization == "gguf":
+                raise UsageError("--quantization gguf keeps the default model's GGUF weights as stored; with --model "
+                                 "use int8 or int4 (or hf_paged.load_gguf(path) for a GGUF file)")
             return load_model(args.model, dtype=args.dtype)
-        return load_default(dtype=args.dtype)
+        return load_default(dtype=args.dtype, quantized=quantization == "gguf")
     except (OSError, ImportError) as e:  # a folder transformers cannot read, a missing package: one line
         raise UsageError(" ".join(str(e).split()) or type(e).__name__) from e
+
+
+def _quantization(args) -> dict:
+    """Engine keyword for --quantization int8/int4 (gguf is a way of loading, see _load)."""
+    q = getattr(args, "quantization", None)
+    return {"quantization": q} if q in ("int8", "int4") else {}
 
 
 def _params(args):
@@ -59,7 +69,7 @@ def cmd_generate(args) -> int:
     from hf_paged import PagedGenerator
 
     model, tokenizer = _load(args)
-    engine = PagedGenerator(model, tokenizer, max_num_seqs=max(8, len(args.prompts)))
+    engine = PagedGenerator(model, tokenizer, max_num_seqs=max(8, len(args.prompts)), **_quantization(args))
     prompts = [_as_prompt(tokenizer, p, args.raw) for p in args.prompts]
     if len(prompts) == 1:
         for delta in engine.stream(prompts[0], params):
@@ -83,7 +93,7 @@ def cmd_batch(args) -> int:
         tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
         for m in conversations
     ]
-    engine = PagedGenerator(model, tokenizer, max_num_seqs=len(prompts))
+    engine = PagedGenerator(model, tokenizer, max_num_seqs=len(prompts), **_quantization(args))
     start = time.perf_counter()
     outs = engine.generate(prompts, params, use_tqdm=not args.quiet)
     seconds = time.perf_counter() - start
@@ -148,7 +158,7 @@ def _engine_loop(args, max_num_seqs: int):
     from hf_paged.serving import AsyncPagedEngine
 
     model, tokenizer = _load(args)
-    config = {"max_num_seqs": max_num_seqs}
+    config = {"max_num_seqs": max_num_seqs, **_quantization(args)}
     if getattr(args, "max_model_len", None):
         config["max_model_len"] = args.max_model_len
     if getattr(args, "speculative_config", None):
@@ -242,6 +252,9 @@ _MODEL_HELP = "local transformers model folder (default: SmolLM2-135M-Instruct, 
 def _add_sampling(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
     p.add_argument("--model", help=_MODEL_HELP)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and KV cache dtype")
+    p.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None,
+                   help="weight-only quantized linears: int8/int4 quantize at start; gguf keeps the default model's "
+                   "Q4_1 GGUF weights as stored (docs/quantization.md)")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer (>= 1)")
     p.add_argument("--temperature", type=float, default=temperature, help="0 is greedy; otherwise > 0")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 disables")
@@ -252,6 +265,9 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int, temperature: floa
 def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -> None:
     p.add_argument("--model", help=_MODEL_HELP)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and KV cache dtype")
+    p.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None,
+                   help="weight-only quantized linears: int8/int4 quantize at start; gguf keeps the default model's "
+                   "Q4_1 GGUF weights as stored (docs/quantization.md)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=port, help="port to listen on")
     p.add_argument("--max-num-seqs", type=_positive_int, default=max_num_seqs, help="most sequences in one batch")
@@ -312,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights and KV cache dtype")
     bench.add_argument("--repeat", type=_positive_int, default=1, help="runs per system; the fastest counts")
     bench.add_argument("--systems", help="comma-separated subset, e.g. padded,hf_paged; chat and latency also take "
-                       "eager (hf_paged with enforce_eager=True, for A/B runs)")
+                       "eager (hf_paged with enforce_eager=True, for A/B runs); latency also gguf_q4_1, int8, int4 (quantized weights)")
     bench.add_argument("--clients", help="serve: concurrent HTTP clients per level (default 1,16,64)")
     bench.add_argument("--requests", type=_positive_int, help="serve: requests per level (default max(N, 16), "
                        "at most the 64 chat prompts)")

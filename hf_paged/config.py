@@ -11,6 +11,7 @@ from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, check
 from hf_paged.kernels import BACKENDS
 from hf_paged.cpu.packed_linear import KIND_NAMES as PACKING_KIND_NAMES
 from hf_paged.cpu.packed_linear import KINDS as PACKING_KINDS
+from hf_paged.cpu.quantize_model import check_quantization
 from hf_paged.spec_decode.config import SpeculativeConfig
 
 
@@ -99,6 +100,10 @@ class EngineConfig:
             or "static" (padded buckets run eagerly: the CPU twin of the graphs).
         decode_buckets: Batch sizes decode steps are padded up to (positive, increasing, at most
             ``max_num_seqs``). None: 1, 2, 4, 8, 16, 32, 48, ... up to ``max_num_seqs``.
+        quantization: Quantize the model's linear layers (all but the LM head) at start, weight-only, for the
+            CPU kernels of :mod:`hf_paged.cpu.quant_linear`: "int8" (per output channel) or "int4" (groups of
+            32 with a scale and a min). None: the weights as they are. The original layers come back at the
+            last ``close()``. See docs/quantization.md.
     """
 
     block_size: int = 16
@@ -123,6 +128,7 @@ class EngineConfig:
     enforce_eager: bool = False
     decode_runner: str = "auto"
     decode_buckets: Any = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
@@ -162,6 +168,7 @@ class EngineConfig:
                 f"decode_runner='inductor' compiles plain nn.Linear modules; prepack_weights={self.prepack_weights!r} conflicts "
                 "with it (leave it None)"
             )
+        check_quantization(self.quantization)
         pw = self.prepack_weights
         if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in PACKING_KINDS)):
             raise ValueError(f"prepack_weights must be None, True, False, {PACKING_KIND_NAMES}, got {self.prepack_weights!r}")

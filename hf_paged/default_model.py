@@ -81,17 +81,40 @@ def _strip_quantization(config_file: Path) -> None:
         config_file.write_text(json.dumps(data, indent=2))
 
 
-def load_default(dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"):
+def load_default(dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu", quantized: bool = False):
     """Load SmolLM2-135M-Instruct and its tokenizer.
 
     Args:
         dtype: ``torch.float32`` (default), ``torch.bfloat16``, or the strings "fp32"/"bf16"/"fp16".
         device: Where to put the weights.
+        quantized: Keep the GGUF file's Q4_1 (and Q8_0 embedding) weights as they are stored, in
+            :class:`~hf_paged.cpu.quant_linear.QuantLinear` layers (CPU only; see docs/quantization.md), instead
+            of the fp32 weights dequantized from them.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
     """
-    return load_model(str(default_model_path()), dtype=dtype, device=device)
+    folder = default_model_path()
+    if not quantized:
+        return load_model(str(folder), dtype=dtype, device=device)
+    from transformers import AutoConfig, AutoTokenizer
+
+    from hf_paged.hf.gguf_loader import load_gguf
+
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantized=True runs the CPU kernels; got device={device!r}")
+    model, _ = load_gguf(gguf_path(), dtype=parse_dtype(dtype), tokenizer=False, config=AutoConfig.from_pretrained(folder))
+    model.generation_config = load_model_generation_config(folder)
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def load_model_generation_config(folder: Path):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except OSError:
+        return GenerationConfig()
 
 
 def load_model(path: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"):

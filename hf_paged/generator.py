@@ -78,7 +78,8 @@ class PagedGenerator(GeneratorClients):
             cfg.enable_chunked_prefill, cfg.scheduling_policy, cfg.preemption_mode,
             cfg.long_prefill_token_threshold, cfg.max_itl_ratio,
         )
-        self.vocab_size = model.get_input_embeddings().weight.shape[0]
+        emb = model.get_input_embeddings()  # nn.Embedding or a quantized one (QuantEmbedding): no .weight there
+        self.vocab_size = getattr(emb, "num_embeddings", None) or emb.weight.shape[0]
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.outputs = OutputProcessor(tokenizer)
         self._ids = itertools.count()

@@ -60,11 +60,12 @@ def run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
 PYTHON_SNIPPETS = blocks(README, "python")
 
 
-def test_readme_shows_the_three_snippets():
-    assert len(PYTHON_SNIPPETS) == 3, "the engine snippet, the transformers snippet and structured output"
+def test_readme_shows_the_four_snippets():
+    assert len(PYTHON_SNIPPETS) == 4, "the engine, transformers, structured output and quantized-weights snippets"
     assert "PagedGenerator" in PYTHON_SNIPPETS[0] and "apply_chat_template" in PYTHON_SNIPPETS[0]
     assert all(name in PYTHON_SNIPPETS[1] for name in ("hf_paged.wrap", "model.generate", "pipeline("))
     assert "structured_outputs" in PYTHON_SNIPPETS[2]
+    assert "quantized=True" in PYTHON_SNIPPETS[3]
     commands = {argv[0] for argv in cli_lines(README) if argv}
     assert {"generate", "serve", "chat"} <= commands
     assert len(README.read_text().splitlines()) <= 200, "the README stays short: depth goes to docs/"

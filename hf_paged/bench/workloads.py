@@ -17,6 +17,7 @@ from hf_paged.default_model import load_default, parse_dtype
 
 ENGINE = "hf_paged"
 EAGER = "eager"  # --systems name of the engine run with enforce_eager=True (chat, latency)
+QUANTIZED = ("gguf_q4_1", "int8", "int4")  # --systems names of the engine on quantized weights (latency)
 
 
 def run_engine(model, prompts, params, engine_kw: dict, track_kv: bool = False) -> tuple[SystemResult, list[list[int]], dict]:
@@ -186,6 +187,13 @@ def latency(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = Non
         results.append(_eager_run(model, [prompt], params, dict(max_num_seqs=4), repeat))
     runs = [run_engine(model, [prompt], params, dict(max_num_seqs=4)) for _ in range(max(1, repeat))]
     results.append(min(runs, key=lambda r: r[0].seconds)[0])
+    for name in QUANTIZED:
+        if name in want:
+            qmodel = load_default(parse_dtype(dtype), quantized=True)[0] if name == "gguf_q4_1" else model
+            kw = dict(max_num_seqs=4) if name == "gguf_q4_1" else dict(max_num_seqs=4, quantization=name)
+            runs = [run_engine(qmodel, [prompt], params, kw) for _ in range(max(1, repeat))]
+            results.append(min(runs, key=lambda r: r[0].seconds)[0])
+            results[-1].system = f"{ENGINE}, {name}"
     ms = {r.system: round(1000 * r.seconds / r.tokens, 2) for r in results}
     return print_report("latency", dtype, results, ENGINE, {"ms_per_output_token": ms})
 

@@ -13,7 +13,8 @@ gate/up as another (``PackedLinears.group``): another ~5% per decode step at 64 
 
 Only layers whose classes and structure are known exactly are patched (transformers' own classes of the
 families below, by identity: a subclass or a remote-code copy of the same name may change the math; the four
-children, plain ``nn.Linear`` projections, SiLU activation, full-width "rotate half" rotary); every other
+children, plain ``nn.Linear`` (or weight-only quantized :class:`~hf_paged.cpu.quant_linear.QuantLinear`, called as
+modules) projections, SiLU activation, full-width "rotate half" rotary); every other
 call (outside the engine, GPU, autograd, a static-shape step, a rotary table of another width) runs the
 original forward. The patch belongs to the model (reference-counted, shared by its engines): while any engine
 holds it, every engine forward on CPU takes it.
@@ -30,6 +31,7 @@ import torch
 
 from hf_paged import attention, model_patches
 from hf_paged.cpu import fused_ops
+from hf_paged.cpu.quant_linear import QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +103,8 @@ def _why_not(layer: torch.nn.Module) -> str:
     if set(dict(attn.named_children())) != _ATTN_CHILDREN or set(dict(mlp.named_children())) != _MLP_CHILDREN:
         return "unexpected attention or MLP submodules"
     linears = [getattr(attn, n) for n in _ATTN_CHILDREN] + [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    if any(type(m) is not torch.nn.Linear for m in linears):
-        return "a projection is not a plain nn.Linear"
+    if any(type(m) not in (torch.nn.Linear, QuantLinear) for m in linears):
+        return "a projection is not a plain nn.Linear or a QuantLinear"
     if type(mlp.act_fn) not in silu_classes():
         return f"MLP activation {_class_name(type(mlp.act_fn))}, expected SiLU"
     for attr in ("head_dim", "scaling", "layer_idx"):

@@ -31,6 +31,7 @@ from hf_paged.cpu.program_fit import DTYPES
 from hf_paged.cpu.program_fit import hooks, skipped_modules, why_not
 from hf_paged.cpu import attention as cpu_attention, fused_ops
 from hf_paged.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
+from hf_paged.cpu.quant_program import QuantEmbedding, QuantLinear, QuantOp, quant_group
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,10 @@ class DecodeProgram:
                 return None
         base = self.model.model
         x = self._x[:rows]
-        torch.index_select(base.embed_tokens.weight, 0, inputs.input_ids[0], out=x)
+        if type(base.embed_tokens) is QuantEmbedding:
+            x.copy_(base.embed_tokens(inputs.input_ids[0]))
+        else:
+            torch.index_select(base.embed_tokens.weight, 0, inputs.input_ids[0], out=x)
         cos, sin = base.rotary_emb(x[None], inputs.position_ids)
         if cos.shape != (1, rows, self.head_dim) or cos.dtype != x.dtype or not cos.is_contiguous() or (
             sin.shape != cos.shape or sin.dtype != x.dtype or not sin.is_contiguous()
@@ -201,13 +205,14 @@ class DecodeProgram:
         layers = list(base.layers)
         if len(layers) != getattr(model.config, "num_hidden_layers", len(layers)):
             raise _Unfit("config.num_hidden_layers is not the number of decoder layers")
-        dtype = base.embed_tokens.weight.dtype
+        embed = base.embed_tokens
+        dtype = embed.dtype if type(embed) is QuantEmbedding else embed.weight.dtype
         dt = DTYPES[dtype]
         elem = torch.tensor([], dtype=dtype).element_size()
         threads = torch.get_num_threads()
         attn0 = layers[0].self_attn
         D = attn0.head_dim
-        hidden = base.embed_tokens.weight.shape[1]
+        hidden = embed.embedding_dim
         gemm = NATIVE_GEMM.load()  # None: no native packs either
         norms, attn_lib = fused_ops.LIBRARY.load(), cpu_attention.LIBRARY.load()
         if norms is None or attn_lib is None:
@@ -222,7 +227,10 @@ class DecodeProgram:
 
         def pack_of(module: torch.nn.Linear):
             # a single projection's current pack (packed again if its weight changed), as its forward would
-            pack = packing.current_pack(module)
+            if type(module) is QuantLinear:
+                seen.extend((_seen(module._buffers, "qweight"), _seen(module._parameters, "bias")))
+                return module, module.bias
+            pack = None if packing is None else packing.current_pack(module)
             if pack is None:
                 raise _Unfit(f"a {type(module).__name__} weight {tuple(module.weight.shape)} is not packed")
             seen.extend((_seen(module._parameters, "weight"), _seen(module._parameters, "bias")))
@@ -230,13 +238,20 @@ class DecodeProgram:
             return pack, module.bias
 
         def group_of(parent, names):
-            group = packing.group(parent, names)
+            group = quant_group(parent, names)
+            if group is not None:  # quantized siblings as one QuantLinear (the members' bytes are views of it)
+                seen.extend(_seen(getattr(parent, n)._buffers, "qweight") for n in names)
+                keep.append(group)
+                return group, group.bias
+            group = None if packing is None else packing.group(parent, names)
             if group is None:
                 raise _Unfit(f"{type(parent).__name__} {'/'.join(names)} are not packed as one weight")
             groups.append((group, group.pack))
             return group.pack, group.bias
 
         def gemm_op(pack, bias, x: torch.Tensor, x_stride: int, y: torch.Tensor, rows=self._rows):
+            if type(pack) is QuantLinear:
+                return QuantOp(pack, x, x_stride, y, rows, threads), ()
             if gemm_fn is None or not isinstance(pack, NativePackedWeight) or pack.dtype != dtype or (
                 dtype == torch.bfloat16 and pack.k_even != pack.in_features
             ):  # another packing (oneDNN, MKL, upcast): its own linear, the result copied into the buffer
@@ -258,8 +273,8 @@ class DecodeProgram:
                 self._rows, hidden, float(norm.variance_epsilon), dt, threads,
             )
 
-        qkv0 = packing.group(attn0, QKV)
-        gu0 = packing.group(layers[0].mlp, GATE_UP)
+        group0 = lambda parent, names: quant_group(parent, names) or (packing and packing.group(parent, names))  # noqa: E731
+        qkv0, gu0 = group0(attn0, QKV), group0(layers[0].mlp, GATE_UP)
         if qkv0 is None or gu0 is None:
             raise _Unfit("the q/k/v or gate/up projections are not packed as one weight")
         q_w, k_w, v_w = qkv0.sizes
@@ -292,7 +307,7 @@ class DecodeProgram:
             else:  # this layer's input = the last one's residual + its MLP output, added in the norm's pass
                 ops.append(norm_op(layer.input_layernorm, M, Hn, residual=R, total=X))
             qkv_pack, qkv_bias = group_of(attn, QKV)
-            if tuple(qkv_pack.source.shape) != (qkv_w, hidden):
+            if _shape(qkv_pack) != (qkv_w, hidden):
                 raise _Unfit("decoder layers of different projection widths")
             ops.append(gemm_op(qkv_pack, qkv_bias, Hn, hidden, QKVb))
             ops.append((norms.hfp_rope, (
@@ -312,14 +327,15 @@ class DecodeProgram:
             ops.append(gemm_op(*pack_of(attn.o_proj), A, q_w, O))
             ops.append(norm_op(layer.post_attention_layernorm, O, Hn, residual=X, total=R))
             gu_pack, gu_bias = group_of(mlp, GATE_UP)
-            if tuple(gu_pack.source.shape) != (2 * inter, hidden):
+            if _shape(gu_pack) != (2 * inter, hidden):
                 raise _Unfit("decoder layers of different MLP widths")
             ops.append(gemm_op(gu_pack, gu_bias, Hn, hidden, GU))
             ops.append((self._silu_mul, ()))
             ops.append(gemm_op(*pack_of(mlp.down_proj), GU, 2 * inter, M))
         ops.append((self._final_norm, ()))
         ops.append(gemm_op(*pack_of(model.lm_head), Hn, hidden, logits, rows=self._sampled))  # stays last
-        seen.append(_seen(base.embed_tokens._parameters, "weight"))
+        seen.append(_seen(embed._buffers if type(embed) is QuantEmbedding else embed._parameters,
+                          "qweight" if type(embed) is QuantEmbedding else "weight"))
         # -- all built: install (the KV pools stay referenced by the engine; the buffers and packs by the program)
         self._x, self._r, self._h, self._qkv, self._a, self._o, self._gate_up, self._m = X, R, Hn, QKVb, A, O, GU, M
         self._logits = logits
@@ -344,6 +360,10 @@ class DecodeProgram:
     def _silu_mul(self) -> None:
         gate, up = self._act
         torch.nn.functional.silu(gate, inplace=True).mul_(up)  # the fused forward's two roundings, in place
+
+
+def _shape(pack) -> tuple[int, int]:
+    return (pack.out_features, pack.in_features) if type(pack) is QuantLinear else tuple(pack.source.shape)
 
 
 class _Linear:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from hf_paged.cpu.fused_layers import family_classes, family_of, not_family
+from hf_paged.cpu.quant_linear import QuantEmbedding, QuantLinear
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C kernels' dtype codes
 
@@ -21,24 +22,34 @@ def why_not(model: torch.nn.Module, fused, packing) -> str:
     if type(base) is not classes["Model"]:
         cls = type(base)
         return f"model.model is {cls.__module__}.{cls.__qualname__}, expected transformers' {family}Model"
-    if fused is None or packing is None:
-        return "it needs the fused layers and packed linears"
+    quantized = _quantized_linears(model)
+    if fused is None or (packing is None and not quantized):
+        return "it needs the fused layers and packed (or quantized) linears"
     layers = list(getattr(base, "layers", ()))
     if not layers or any(layer not in fused.layers for layer in layers):
         return "not every decoder layer has the fused forward"
-    if type(base.embed_tokens) is not torch.nn.Embedding or type(model.lm_head) is not torch.nn.Linear:
-        return "the embedding or the LM head is not a plain nn.Embedding / nn.Linear"
+    if type(base.embed_tokens) not in (torch.nn.Embedding, QuantEmbedding) or (
+        type(model.lm_head) not in (torch.nn.Linear, QuantLinear)
+    ):
+        return "the embedding or the LM head is not a plain (or quantized) nn.Embedding / nn.Linear"
     if type(base.norm) is not classes["RMSNorm"] or getattr(base.norm, "variance_epsilon", None) is None:
         norm = type(base.norm)
         return f"the final norm is {norm.__module__}.{norm.__qualname__}, expected transformers' {family}RMSNorm"
     if getattr(base, "rotary_emb", None) is None:
         return "the model has no rotary_emb"
-    dtype = base.embed_tokens.weight.dtype
-    if dtype not in DTYPES or packing.kinds.get(dtype, "torch") == "torch":
+    embed = base.embed_tokens
+    dtype = embed.dtype if type(embed) is QuantEmbedding else embed.weight.dtype
+    if quantized and dtype != torch.float32:
+        return "quantized linears run in the program with fp32 activations only"
+    if dtype not in DTYPES or (not quantized and packing.kinds.get(dtype, "torch") == "torch"):
         return f"its {str(dtype).removeprefix('torch.')} linears are not packed here (prepack_weights)"
     if any(p.dtype != dtype or p.device.type != "cpu" for p in model.parameters()):
         return "its parameters are not all CPU tensors of one dtype"
     return ""
+
+
+def _quantized_linears(model: torch.nn.Module) -> bool:
+    return any(type(m) is QuantLinear for m in model.modules())
 
 
 def skipped_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -24,7 +24,9 @@ from hf_paged.cpu import attention as cpu_attention
 from hf_paged.executor.decode_buckets import DecodeBuckets
 from hf_paged.executor.input_batch import BlockTables
 from hf_paged.executor.model_runner import ModelRunner
-from hf_paged.executor.setup import build_pool, make_fast_runner, make_proposer, maybe_fuse, maybe_prepack, release_model
+from hf_paged.executor.setup import (
+    build_pool, make_fast_runner, make_proposer, maybe_fuse, maybe_prepack, maybe_quantize, release_model,
+)
 from hf_paged.kernels import resolve_backend
 from hf_paged.sampling import Sampler
 
@@ -74,9 +76,10 @@ class UniProcExecutor(Executor):
     def __init__(self, model: torch.nn.Module, cfg: EngineConfig) -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        self.packed = self.fused = None
+        self.packed = self.fused = self.quantized = None
         model_patches.acquire_attention(model)
         try:
+            self.quantized = maybe_quantize(model, cfg, self.device)
             self.pool, self.max_model_len = build_pool(model, cfg, self.device)
             self.backend = resolve_backend(cfg.attention_backend, self.device, self.pool.specs[0].dtype)
             self.packed = maybe_prepack(model, cfg, self.device)
@@ -89,12 +92,13 @@ class UniProcExecutor(Executor):
             self.runner = ModelRunner(model, self.pool, attention, Sampler(self.device, cfg.seed), self.max_model_len,
                                       fast, tables)
         except BaseException:
-            release_model(model, self.packed is not None, self.fused is not None)
+            release_model(model, self.packed is not None, self.fused is not None, self.quantized is not None)
             raise
         self.num_blocks = self.pool.num_blocks
         self.num_host_blocks = self.pool.num_host_blocks
         # An executor dropped without close() gives the model back when it is garbage-collected.
-        self._release = weakref.finalize(self, release_model, model, self.packed is not None, self.fused is not None)
+        self._release = weakref.finalize(self, release_model, model, self.packed is not None, self.fused is not None,
+                                         self.quantized is not None)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
@@ -116,6 +120,6 @@ class UniProcExecutor(Executor):
     def close(self) -> None:
         self.runner.close()
         self._release()  # once: the finalizer is dead afterwards
-        self.packed = self.fused = None
+        self.packed = self.fused = self.quantized = None
         self.pool.kv_caches.clear()
         self.pool.host_caches.clear()

@@ -15,6 +15,7 @@ from hf_paged.cpu.fused_layers import FAMILIES, FusedLayers
 from hf_paged.cpu.native_program import DecodeProgram
 from hf_paged.cpu.packed_model import PackedLinears
 from hf_paged.cpu.program_fit import hooks, skipped_modules, why_not
+from hf_paged.cpu.quantize_model import QuantizedLinears
 from hf_paged.default_model import load_model
 from hf_paged.executor.decode_buckets import DecodeBuckets, resolve_mode
 from hf_paged.executor.input_batch import BlockTables
@@ -61,6 +62,25 @@ def build_pool(model: torch.nn.Module, cfg: EngineConfig, device: torch.device) 
         num_blocks, cfg.block_size, capacity, pool.total_bytes / 2**20, len(specs), max_model_len, num_host_blocks,
     )
     return pool, max_model_len
+
+
+def maybe_quantize(model: torch.nn.Module, cfg: EngineConfig, device: torch.device) -> QuantizedLinears | None:
+    """The model's linears quantized at start (shared with other engines on the same model), or None."""
+    if cfg.quantization is None:
+        return None
+    if device.type != "cpu":
+        raise ValueError(f"quantization={cfg.quantization!r} runs CPU kernels; this model is on {device}")
+    quantized = model_patches.acquire(model, "quantization", lambda: QuantizedLinears(model, cfg.quantization))
+    if quantized is not None and quantized.quantization != cfg.quantization:
+        model_patches.release(model, "quantization")
+        raise ValueError(
+            f"quantization={cfg.quantization!r}: another engine on this model runs it with "
+            f"quantization={quantized.quantization!r}; close it first"
+        )
+    if quantized is None:
+        raise ValueError(f"quantization={cfg.quantization!r}: the model has no CPU nn.Linear layer to quantize "
+                         "(the LM head stays float)")
+    return quantized
 
 
 def maybe_prepack(model: torch.nn.Module, cfg: EngineConfig, device: torch.device) -> PackedLinears | None:
@@ -167,7 +187,9 @@ def max_positions(model: torch.nn.Module) -> int | None:
     return None
 
 
-def release_model(model: torch.nn.Module, packed: bool, fused: bool = False) -> None:
+def release_model(model: torch.nn.Module, packed: bool, fused: bool = False, quantized: bool = False) -> None:
+    if quantized:
+        model_patches.release(model, "quantization")
     if packed:
         model_patches.release(model, "packing")
     if fused:

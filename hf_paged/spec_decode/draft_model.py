@@ -146,11 +146,14 @@ class DraftModelProposer:
         return self.runner.compute_logits(inputs, self.model).argmax(dim=-1).tolist()
 
 
+def _out_rows(head: torch.nn.Module) -> int:
+    return getattr(head, "out_features", None) or head.weight.shape[0]  # nn.Linear or QuantLinear
+
+
 def _check_compatible(target: torch.nn.Module, draft: torch.nn.Module, max_model_len: int) -> None:
     if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "config"):
         raise TypeError(f"speculative_config model must be a transformers model, a folder or 'self:N', got {type(draft).__name__}")
-    t_vocab = target.get_output_embeddings().weight.shape[0]
-    d_vocab = draft.get_output_embeddings().weight.shape[0]
+    t_vocab, d_vocab = (_out_rows(m.get_output_embeddings()) for m in (target, draft))
     if t_vocab != d_vocab:
         raise ValueError(f"the draft model's vocabulary ({d_vocab} tokens) differs from the target's ({t_vocab})")
     if next(draft.parameters()).device != next(target.parameters()).device:

@@ -1,0 +1,291 @@
+/*
+ * Weight-only quantized linear layers for CPU: y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias), fp32 x and y.
+ *
+ * W stays in its quantized bytes, row n of W being K / 32 blocks of 32 weights, in GGUF's exact layouts:
+ *   Q8_0 (34 bytes): fp16 d, 32 x int8 q                        w = q * d
+ *   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles                w = (q - 8) * d
+ *   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles        w = q * d + m
+ * (nibbles: byte j holds weight j in its low half and weight j + 16 in its high half), and our own
+ *   INT8 (32 bytes per block, no header): int8 q, with one fp32 scale s[n] per output row    w = q * s[n]
+ *
+ * Per block and row of x the kernel sums q * x over the block's 32 weights in fp32 vectors, then scales the
+ * block sum by d (and adds m * sum(x) over the block for Q4_1): the dequantized weights times x, up to the
+ * order of the fp32 sums and products. Every output is computed the same way whatever M is and whatever other
+ * rows share the batch, so a row's result does not depend on the batch.
+ *
+ * Decode (M small) is bound by reading the weights: ~0.56-1.06 bytes per weight here against 4 for fp32.
+ * Threads split the output rows (OpenMP over N); one weight row (at most a few KiB) stays in L1 while every
+ * row tile of x passes over it. Built for the host like gemm_cpu.c (AVX2+FMA, AVX-512 where present: the
+ * vector width follows the compiler's target) and loaded through ctypes by hf_paged/cpu/quant_linear.py.
+ */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#include <omp.h>
+#include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+#define LD(p) (*(const vf*)(p))
+#define NV (32 / VW) /* vectors per block */
+
+enum { QK = 32, MR = 4 };
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_INT8 = 3 };
+
+int hfq_vector_width(void) { return VW; }
+
+static int block_bytes(int fmt) {
+    switch (fmt) {
+    case FMT_Q8_0: return 34;
+    case FMT_Q4_0: return 18;
+    case FMT_Q4_1: return 20;
+    case FMT_INT8: return 32;
+    default: return 0;
+    }
+}
+
+int hfq_block_bytes(int fmt) { return block_bytes(fmt); }
+
+/* IEEE half -> float, exactly (subnormals, infinities and NaN included) */
+static inline float h2f(const uint8_t* p) {
+#if defined(__F16C__)
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+    return _cvtsh_ss(bits);
+#endif
+    const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    const uint32_t s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t f;
+    if (e == 0) {
+        if (m == 0) f = s;
+        else { /* subnormal: m * 2^-24, exact in fp32 */
+            float v = (float)m * (1.0f / 16777216.0f);
+            memcpy(&f, &v, 4);
+            f |= s;
+        }
+    } else if (e == 31) f = s | 0x7f800000u | (m << 13);
+    else f = s | ((e + 112) << 23) | (m << 13);
+    float r;
+    memcpy(&r, &f, 4);
+    return r;
+}
+
+/* the block's 32 integer weights as floats (q - 8 for Q4_0) in NV vectors, its scale d and its min m (0 but for
+ * Q4_1); the widening is one instruction per 8 or 16 weights where the ISA has it */
+static inline __attribute__((always_inline)) void unpack(const int fmt, const uint8_t* b, vf* q, float* d, float* m) {
+    const uint8_t* p = b + (fmt == FMT_Q4_1 ? 4 : fmt == FMT_INT8 ? 0 : 2);
+    *d = fmt == FMT_INT8 ? 1.0f : h2f(b);
+    *m = fmt == FMT_Q4_1 ? h2f(b + 2) : 0.0f;
+#if defined(__AVX512F__) || defined(__AVX2__)
+    if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
+        const __m128i raw = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(15);
+        __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+        if (fmt == FMT_Q4_0) lo = _mm_sub_epi8(lo, _mm_set1_epi8(8)), hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+#if defined(__AVX512F__)
+        q[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+        q[1] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+#else
+        q[0] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+        q[1] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+        q[2] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+        q[3] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+#endif
+    } else {
+        for (int v = 0; v < NV; ++v) {
+#if defined(__AVX512F__)
+            q[v] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + v * 16))));
+#else
+            q[v] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + v * 8))));
+#endif
+        }
+    }
+#else
+    float t[QK] __attribute__((aligned(64)));
+    for (int j = 0; j < QK / 2; ++j) {
+        if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
+            const int off = fmt == FMT_Q4_0 ? 8 : 0;
+            t[j] = (float)((int)(p[j] & 15) - off);
+            t[j + QK / 2] = (float)((int)(p[j] >> 4) - off);
+        } else {
+            t[j] = (float)(int8_t)p[j];
+            t[j + QK / 2] = (float)(int8_t)p[j + QK / 2];
+        }
+    }
+    for (int v = 0; v < NV; ++v) q[v] = LD(t + v * VW);
+#endif
+}
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int l = 0; l < VW; ++l) s += v[l];
+    return s;
+}
+
+/* y[m0:m0+mr, n] for one weight row w (nb blocks); xs[i * nb + b]: sum of x row i over block b (Q4_1 only) */
+static inline __attribute__((always_inline)) void row_tile(
+    const int fmt, const int mr, const int nb, const uint8_t* w, const float* x, const int64_t ldx,
+    const float* xs, float* out)
+{
+    const int bb = block_bytes(fmt);
+    vf acc[MR];
+    float macc[MR];
+    for (int i = 0; i < mr; ++i) acc[i] = (vf){0}, macc[i] = 0.0f;
+    for (int b = 0; b < nb; ++b) {
+        vf q[NV];
+        float d, m;
+        unpack(fmt, w + (size_t)b * bb, q, &d, &m);
+        for (int i = 0; i < mr; ++i) {
+            const float* xb = x + i * ldx + b * QK;
+            vf s = q[0] * LD(xb);
+            for (int v = 1; v < NV; ++v) s += q[v] * LD(xb + v * VW);
+            if (fmt == FMT_INT8) acc[i] += s;
+            else acc[i] += d * s;
+            if (fmt == FMT_Q4_1) macc[i] = fmaf(m, xs[i * nb + b], macc[i]);
+        }
+    }
+    for (int i = 0; i < mr; ++i) out[i] = hsum(acc[i]) + macc[i];
+}
+
+/* One row of x against NR_1 weight rows at once (M = 1, decode): the same operations per output as row_tile
+ * with mr = 1, in the same order (so the same bits), interleaved so that NR_1 independent chains hide the
+ * multiply-add latency and the x block is loaded once for all of them. */
+enum { NR_1 = 4 };
+static inline __attribute__((always_inline)) void rows_m1(
+    const int fmt, const int nb, const uint8_t* w, const size_t row_bytes, const float* x, const float* xs, float* out)
+{
+    const int bb = block_bytes(fmt);
+    vf acc[NR_1];
+    float macc[NR_1];
+    for (int r = 0; r < NR_1; ++r) acc[r] = (vf){0}, macc[r] = 0.0f;
+    for (int b = 0; b < nb; ++b) {
+        const float* xb = x + b * QK;
+        vf xv[NV];
+        for (int v = 0; v < NV; ++v) xv[v] = LD(xb + v * VW);
+        for (int r = 0; r < NR_1; ++r) {
+            vf q[NV];
+            float d, m;
+            unpack(fmt, w + r * row_bytes + (size_t)b * bb, q, &d, &m);
+            vf s = q[0] * xv[0];
+            for (int v = 1; v < NV; ++v) s += q[v] * xv[v];
+            if (fmt == FMT_INT8) acc[r] += s;
+            else acc[r] += d * s;
+            if (fmt == FMT_Q4_1) macc[r] = fmaf(m, xs[b], macc[r]); /* one rounding in both paths */
+        }
+    }
+    for (int r = 0; r < NR_1; ++r) out[r] = hsum(acc[r]) + macc[r];
+}
+
+static void rows_m1_any(int fmt, int nb, const uint8_t* w, size_t row_bytes, const float* x, const float* xs,
+                        float* out) {
+    switch (fmt) {
+    case FMT_Q8_0: rows_m1(FMT_Q8_0, nb, w, row_bytes, x, xs, out); break;
+    case FMT_Q4_0: rows_m1(FMT_Q4_0, nb, w, row_bytes, x, xs, out); break;
+    case FMT_Q4_1: rows_m1(FMT_Q4_1, nb, w, row_bytes, x, xs, out); break;
+    default: rows_m1(FMT_INT8, nb, w, row_bytes, x, xs, out); break;
+    }
+}
+
+static void row_tile_any(int fmt, int mr, int nb, const uint8_t* w, const float* x, int64_t ldx, const float* xs,
+                         float* out) {
+#define CASE_FMT(F)                                                        \
+    case F:                                                                \
+        switch (mr) {                                                      \
+        case 4: row_tile(F, 4, nb, w, x, ldx, xs, out); break;             \
+        case 3: row_tile(F, 3, nb, w, x, ldx, xs, out); break;             \
+        case 2: row_tile(F, 2, nb, w, x, ldx, xs, out); break;             \
+        default: row_tile(F, 1, nb, w, x, ldx, xs, out); break;            \
+        }                                                                  \
+        break;
+    switch (fmt) {
+        CASE_FMT(FMT_Q8_0)
+        CASE_FMT(FMT_Q4_0)
+        CASE_FMT(FMT_Q4_1)
+        CASE_FMT(FMT_INT8)
+    }
+#undef CASE_FMT
+}
+
+/*
+ * y[M, N] (row stride ldy) = x[M, K] (row stride ldx, K a multiple of 32) @ dequant(w)^T + bias (NULL: none).
+ * w: N rows of K / 32 blocks of format fmt; scales: N fp32 row scales (INT8 only, else NULL).
+ * Returns 0, or -1 for an unknown format or K not a multiple of 32.
+ */
+int hfq_linear(const float* x, int64_t ldx, const uint8_t* w, int fmt, const float* scales, const float* bias,
+               float* y, int64_t ldy, int M, int N, int K, int num_threads)
+{
+    const int bb = block_bytes(fmt);
+    if (bb == 0 || K % QK != 0 || (fmt == FMT_INT8 && scales == NULL)) return -1;
+    const int nb = K / QK;
+    float* xs = NULL;
+    if (fmt == FMT_Q4_1) { /* per row and block sums of x, shared by every output row */
+        xs = malloc(sizeof(float) * (size_t)M * (nb > 0 ? nb : 1));
+        if (xs == NULL) return -2;
+        for (int i = 0; i < M; ++i)
+            for (int b = 0; b < nb; ++b) {
+                const float* xb = x + i * ldx + b * QK;
+                vf s = LD(xb);
+                for (int v = 1; v < NV; ++v) s += LD(xb + v * VW);
+                xs[(size_t)i * nb + b] = hsum(s);
+            }
+    }
+    const size_t row_bytes = (size_t)nb * bb;
+    const int n4 = M == 1 ? N / NR_1 * NR_1 : 0; /* decode: NR_1 weight rows per pass */
+    if (n4) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int n = 0; n < n4; n += NR_1) {
+            float out[NR_1];
+            rows_m1_any(fmt, nb, w + (size_t)n * row_bytes, row_bytes, x, xs, out);
+            for (int r = 0; r < NR_1; ++r)
+                y[n + r] = fmt == FMT_INT8 ? fmaf(out[r], scales[n + r], bias ? bias[n + r] : 0.0f)
+                                           : out[r] + (bias ? bias[n + r] : 0.0f);
+        }
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int n = n4; n < N; ++n) {
+        const uint8_t* wr = w + (size_t)n * row_bytes;
+        const float s = fmt == FMT_INT8 ? scales[n] : 1.0f, bn = bias ? bias[n] : 0.0f;
+        for (int m0 = 0; m0 < M; m0 += MR) {
+            const int mr = M - m0 < MR ? M - m0 : MR;
+            float out[MR];
+            row_tile_any(fmt, mr, nb, wr, x + m0 * ldx, ldx, xs ? xs + (size_t)m0 * nb : NULL, out);
+            for (int i = 0; i < mr; ++i) /* fmaf: one rounding, as the M = 1 path */
+                y[(m0 + i) * ldy + n] = fmt == FMT_INT8 ? fmaf(out[i], s, bn) : out[i] + bn;
+        }
+    }
+    free(xs);
+    return 0;
+}
+
+/* out[N, K] fp32 = dequant(w), the reference math per weight (q * d, (q - 8) * d, q * d + m, q * s[n]), with
+ * two roundings as gguf's numpy reference (no fused multiply-add: bitwise equal to it). */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#else
+__attribute__((optimize("fp-contract=off")))
+#endif
+int hfq_dequantize(const uint8_t* w, int fmt, const float* scales, float* out, int N, int K, int num_threads) {
+    const int bb = block_bytes(fmt);
+    if (bb == 0 || K % QK != 0 || (fmt == FMT_INT8 && scales == NULL)) return -1;
+    const int nb = K / QK;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int n = 0; n < N; ++n) {
+        for (int b = 0; b < nb; ++b) {
+            vf q[NV];
+            float d, m;
+            unpack(fmt, w + ((size_t)n * nb + b) * bb, q, &d, &m);
+            if (fmt == FMT_INT8) d = scales[n];
+            float* o = out + (size_t)n * K + b * QK;
+            for (int v = 0; v < NV; ++v) *(vf*)(o + v * VW) = q[v] * d + m;
+        }
+    }
+    return 0;
+}

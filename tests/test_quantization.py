@@ -1,0 +1,133 @@
+"""Quantized models in the engine: ``quantization="int8" | "int4"`` at start, and GGUF files kept quantized."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from hf_paged import EngineConfig, PagedGenerator, SamplingParams
+from hf_paged.cpu.quant_linear import QuantLinear
+from hf_paged.cpu.quantize_model import QuantizedLinears
+from tests.helpers import make_model, make_prompts, stock_greedy
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_engine_equals_stock_generate_on_the_same_quantized_model(quantization):
+    """The engine quantizes at start; stock generate on a copy quantized the same way (QuantLinear is a torch
+    module) gives the same tokens, through the fused layers (which call the quantized projections) and the native
+    decode program (q/k/v and gate/up joined into one quantized weight each), and eagerly. On close the float
+    layers come back."""
+    model = make_model(seed=5)
+    prompts = make_prompts(5, lengths=[1, 9, 33, 40, 70], seed=2)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    reference = copy.deepcopy(model)
+    QuantizedLinears(reference, quantization)
+    float_tokens = [stock_greedy(model, p, 16) for p in prompts]
+    with PagedGenerator(model, num_blocks=64, max_num_seqs=3, quantization=quantization, prepack_weights="native") as engine:
+        linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert len(linears) == 2 * 7 and type(model.lm_head) is torch.nn.Linear
+        program = engine.executor.runner.fast
+        assert len(engine.executor.fused.layers) == 2 and type(program).__name__ == "DecodeProgram"
+        outs = _tokens(engine.generate(prompts, params, use_tqdm=False))
+        assert program.num_runs > 0, program.why_not
+    with PagedGenerator(model, num_blocks=64, max_num_seqs=3, quantization=quantization, enforce_eager=True) as eager:
+        assert _tokens(eager.generate(prompts, params, use_tqdm=False)) == outs
+    assert outs == [stock_greedy(reference, p, 16) for p in prompts]
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    assert [stock_greedy(model, p, 16) for p in prompts] == float_tokens
+    agree = sum(a == b for a, b in zip(outs, float_tokens))
+    logging.getLogger(__name__).info("%s: %d/%d prompts equal to the float model's greedy tokens", quantization,
+                                     agree, len(prompts))
+
+
+def test_engines_share_one_quantization_and_refuse_another():
+    model = make_model(seed=6)
+    with PagedGenerator(model, num_blocks=16, quantization="int8") as a:
+        with PagedGenerator(model, num_blocks=16, quantization="int8") as b:
+            assert a.executor.quantized is b.executor.quantized
+        assert isinstance(model.model.layers[0].mlp.up_proj, QuantLinear)  # still held by a
+        with pytest.raises(ValueError, match="another engine on this model runs it with quantization='int8'"):
+            PagedGenerator(model, num_blocks=16, quantization="int4")
+    assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
+
+
+def test_bad_quantization_names_and_shapes(caplog):
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \['int4', 'int8'\], got 'fp8'"):
+        EngineConfig(quantization="fp8")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 40), torch.nn.Linear(40, 4))
+    with caplog.at_level(logging.WARNING):
+        q = QuantizedLinears(model, "int4")
+    assert len(q) == 1 and isinstance(model[0], QuantLinear)
+    assert type(model[1]) is torch.nn.Linear and type(model[2]) is torch.nn.Linear
+    assert sum("stay float" in r.message and "group size 32" in r.message for r in caplog.records) == 1
+    q.remove()
+    assert type(model[0]) is torch.nn.Linear
+
+
+@pytest.fixture(scope="module")
+def default_models():
+    pytest.importorskip("gguf")
+    from hf_paged.default_model import load_default
+
+    try:
+        quantized, tok = load_default(quantized=True)
+    except ImportError as e:
+        pytest.skip(str(e))
+    return quantized, load_default()[0], tok
+
+
+CHAT = [
+    [{"role": "user", "content": "Write a short poem about the moon."}],
+    [{"role": "user", "content": "What is 2 + 2? Answer in one word."}],
+]
+
+
+@pytest.mark.slow
+def test_gguf_kept_quantized_equals_the_dequantized_model(default_models):
+    """The default model's Q4_1 / Q8_0 tensors as stored (no fp32 copy of them) give the logits and greedy
+    tokens of the fp32 model transformers dequantized from the same file, through plain forward, stock
+    generate and the engine."""
+    quantized, dense, tok = default_models
+    layer = quantized.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, QuantLinear) and layer.self_attn.q_proj.fmt == "q4_1"
+    assert isinstance(quantized.lm_head, QuantLinear) and quantized.lm_head.fmt == "q8_0"
+    assert quantized.lm_head.qweight is quantized.model.embed_tokens.qweight  # tied: one copy of the bytes
+    assert not any(p.numel() > 576 for p in quantized.parameters())  # only norms are float
+    ids = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in CHAT]
+    with torch.no_grad():
+        x = torch.tensor([ids[0]])
+        torch.testing.assert_close(quantized(x).logits, dense(x).logits, atol=2e-3, rtol=1e-4)
+        # the Q/K row permutation: rows of q_proj dequantized equal the fp32 model's rows
+        assert torch.equal(layer.self_attn.k_proj.dequantize(), dense.model.layers[0].self_attn.k_proj.weight)
+    want = [stock_greedy(dense, p, 24) for p in ids]
+    assert [stock_greedy(quantized, p, 24) for p in ids] == want
+    with PagedGenerator(quantized, num_blocks=64) as engine:
+        outs = _tokens(engine.generate(ids, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False))
+    assert outs == want
+
+
+def test_gguf_unsupported_type_is_a_clear_error(monkeypatch):
+    gguf = pytest.importorskip("gguf")
+    from hf_paged.default_model import gguf_path
+    from hf_paged.hf import gguf_loader
+
+    try:
+        path = gguf_path()
+    except ImportError as e:
+        pytest.skip(str(e))
+    from transformers import AutoConfig
+    from hf_paged.default_model import default_model_path
+
+    config = AutoConfig.from_pretrained(default_model_path())
+    config.num_hidden_layers = 1  # the first tensors decide; fewer layers to build
+    monkeypatch.setattr(gguf_loader, "KEPT", ("Q8_0", "Q4_0"))  # as if Q4_1 were a type we cannot run
+    with pytest.raises(ValueError, match=r"type Q4_1; hf_paged runs Q8_0, Q4_0 quantized and F32, F16, BF16 as floats"):
+        gguf_loader.load_gguf(path, tokenizer=False, config=config)
+    assert gguf.GGMLQuantizationType.Q4_1  # the module under test read the real file
+    with pytest.raises(ValueError, match="unsupported must be 'error' or 'dequantize'"):
+        gguf_loader.load_gguf(path, unsupported="skip")
