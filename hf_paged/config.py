@@ -61,11 +61,11 @@ class EngineConfig:
         long_prefill_token_threshold: With chunked prefill, the longest prefill chunk one sequence gets in a
             step while other sequences are decoding (vLLM's key), so a long prompt that arrives is spread over
             steps and running streams keep a bounded inter-token latency. None or 0: no cap but the budget.
-        max_itl_ratio: With chunked prefill, while sequences decode, the step's prefill tokens (all arriving
-            prompts together) are sized from measured step times so a step takes at most about this multiple
-            of a decode-only step: the running streams' inter-token latency stays within it while a long prompt
-            arrives (at least 4 prompt tokens a step, never above ``long_prefill_token_threshold``). A number
-            > 1; None or 0: no pacing (the threshold alone).
+        max_itl_ratio: With chunked prefill, while sequences decode, one sequence's prefill chunk is sized from
+            measured step times so that a step takes at most about this multiple of a decode-only step: the
+            running streams' inter-token latency stays within it while a long prompt arrives (at least 4 tokens
+            a step, never above ``long_prefill_token_threshold``; per sequence, as the threshold, so a crowd of
+            short prompts still joins at once). A number > 1; None or 0: no pacing (the threshold alone).
         attention_backend: "auto" (Triton on CUDA; on CPU the native kernel when it builds, else torch),
             "torch", "cpu" or "triton".
         seed: Seed of the engine generator used by sampled requests that bring no seed of their own.

@@ -49,27 +49,29 @@ def test_engine_config_default_paces_at_three():
     assert make_scheduler(max_itl_ratio=0).pacer is None
 
 
-def test_paced_prefill_room_is_shared_by_the_prompts_of_a_step():
-    # no token threshold, pacing only: while "a" decodes, the prompts arriving share the pacer's cap per step
+def test_paced_cap_applies_to_each_arriving_prompt():
+    # no token threshold, pacing only: while "a" decodes, each arriving prompt gets up to the pacer's cap a step
     sched = make_scheduler(num_blocks=64, max_num_batched_tokens=64, max_model_len=64,
                            long_prefill_token_threshold=None, max_itl_ratio=3.0)
     sched.add_request(make_request("a", 4, max_tokens=30))
     assert sched_view(sched, run_step(sched)) == [("a", 0, 4, True)]  # nothing decodes yet: no cap
     sched.add_request(make_request("b", 10, max_tokens=4, first=20))
-    sched.add_request(make_request("c", 10, max_tokens=2, first=40))
+    sched.add_request(make_request("c", 3, max_tokens=4, first=40))
     out = run_step(sched)
-    assert sched_view(sched, out) == [("a", 4, 1, True), ("b", 0, 4, False)]  # the first cap: 4 tokens in all
+    assert sched_view(sched, out) == [("a", 4, 1, True), ("b", 0, 4, False), ("c", 0, 3, True)]  # cap 4 each
     sched.observe_step(out, 0.024)  # no decode-only time yet: nothing learned
-    out = run_step(sched)
-    assert sched_view(sched, out) == [("a", 5, 1, True), ("b", 4, 4, False)]
+    assert sched.pacer.cap() == 4
     sched.pacer.observe(0.020, 1, 0)  # a decode-only step: 20 ms
-    sched.observe_step(out, 0.024)  # 4 prefill tokens beside the decode cost 4 ms: 1 ms a token; cap 4 -> 8
+    sched.observe_step(out, 0.027)  # 7 prefill tokens beside the decodes cost 7 ms: 1 ms a token; cap 4 -> 8
+    assert sched.pacer.cap() == 8
     out = run_step(sched)
-    assert sched_view(sched, out) == [("a", 6, 1, True), ("b", 8, 2, True), ("c", 0, 6, False)]
-    sched.observe_step(out, 0.028)
-    assert sched.pacer.cap() == 16
+    assert sched_view(sched, out) == [("a", 5, 1, True), ("b", 4, 6, True), ("c", 3, 1, True)]
+    sched.add_request(make_request("d", 40, max_tokens=2, first=60))
     out = run_step(sched)
-    assert sched_view(sched, out) == [("a", 7, 1, True), ("b", 10, 1, True), ("c", 6, 4, True)]
+    assert ("d", 0, 8, False) in sched_view(sched, out)
+    sched.observe_step(out, 0.040)  # 8 tokens cost 20 ms (the decodes share it): 2.5 ms a token -> 12
+    assert sched.pacer.cap() == 12
+    assert ("d", 8, 12, False) in sched_view(sched, run_step(sched))
     while sched.has_unfinished_requests():
         run_step(sched)
     assert sched.kv.pool.num_free_blocks == 64

@@ -164,7 +164,7 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content", "text parts"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "logprobs"),
-    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "needs a chat template that takes tools"),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", ">= 1"),
 ]
 

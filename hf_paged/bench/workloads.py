@@ -238,7 +238,9 @@ def fork_blocks(model, prompt: list[int], n: int = 8, new_tokens: int = 32) -> d
     params = SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=0)
     peaks = {}
     for label, requests in (("n=8", [params.clone(n=n)]), ("8 separate", [params.clone(seed=i) for i in range(n)])):
-        engine = PagedGenerator(model, block_size=16, num_blocks=1024, max_num_seqs=n, enable_prefix_caching=False)
+        # no prefill pacing: all n requests hold their blocks at once, as the samples of one request do
+        engine = PagedGenerator(model, block_size=16, num_blocks=1024, max_num_seqs=n, enable_prefix_caching=False,
+                                max_itl_ratio=None)
         for sp in requests:
             engine.add_request(prompt, sp)
         peak = 0

@@ -12,8 +12,8 @@ step, in order and under a token budget and a sequence cap:
 While a sequence is decoding, no other sequence gets a prefill chunk (prompt, or a recompute) longer than
 ``long_prefill_token_threshold`` tokens in a step, so a long prompt that arrives is spread over several
 steps and the running streams' inter-token latency stays bounded (vLLM's key of the same name). With
-``max_itl_ratio``, the step's prefill tokens while others decode are also held to what the measured step times
-say fits that multiple of a decode-only step (:mod:`hf_paged.core.prefill_pacer`).
+``max_itl_ratio``, that cap is also held to what the measured step times say fits that multiple of a
+decode-only step (:mod:`hf_paged.core.prefill_pacer`).
 
 Scheduling order is arrival (``scheduling_policy="fcfs"``) or ``(priority, arrival)`` with lower values
 first (``"priority"``, vLLM's convention); the victim of a preemption is always the last in that order.
@@ -62,9 +62,9 @@ class Scheduler(SchedulerUpdate):
             (swap the members of a group, i.e. n > 1 samples and beams, recompute single sequences).
         long_prefill_token_threshold: With chunked prefill, the longest prefill chunk one sequence gets in a
             step while another sequence is decoding. None or 0: no cap beyond the step's budget.
-        max_itl_ratio: While a sequence is decoding, the step's prefill tokens (all sequences together) are
-            held to what fits this multiple of a decode-only step's time, as measured by :meth:`observe_step`
-            (at least ``PrefillPacer.min_chunk``). None or 0: no pacing.
+        max_itl_ratio: While a sequence is decoding, one sequence's prefill chunk is also held to what fits
+            this multiple of a decode-only step's time, as measured by :meth:`observe_step` (at least
+            ``PrefillPacer.min_chunk``). None or 0: no pacing.
 
     Speculative decoding is per request (``Sequence.spec_key`` and friends): a decoding sequence with drafts
     (from the runner's previous output) runs ``1 + len(drafts)`` tokens, drafts cut to the budget and dropped
@@ -111,7 +111,6 @@ class Scheduler(SchedulerUpdate):
         self._finished_since_schedule: list[int] = []
         self._queued = 0  # sequences queued at the start of this step (speculation's batch limit)
         self._prefill_cap = 0  # this step's cap on one sequence's prefill chunk (0: none)
-        self._prefill_room: int | None = None  # prefill tokens left this step while others decode (None: no cap)
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_prompt_tokens = 0  # of requests admitted (first admission only)
         self.num_generated_tokens = 0
@@ -190,7 +189,7 @@ class Scheduler(SchedulerUpdate):
         out = SchedulerOutput(finished_seq_ids=self._finished_since_schedule)
         self._finished_since_schedule = []
         self._queued = len(self.running) + len(self.waiting) + len(self.swapped)
-        self._prefill_cap, self._prefill_room = self._step_prefill_caps()
+        self._prefill_cap = self._step_prefill_cap()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_seq_ids:  # a step that had to preempt has no room to bring anyone in
             budget = self._schedule_swapped(out, budget)
@@ -215,9 +214,6 @@ class Scheduler(SchedulerUpdate):
                 i += 1
                 continue
             num_new = self._cap_prefill(num_new, budget)
-            if num_new == 0:  # no prefill room left this step
-                i += 1
-                continue
             # drafts only on a plain decode, cut to the budget (never during prefill chunks)
             drafts = []
             if num_new == 1 and request.spec_token_ids and self._speculates(request):
@@ -242,27 +238,22 @@ class Scheduler(SchedulerUpdate):
                 i += 1
         return budget
 
-    def _step_prefill_caps(self) -> tuple[int, int | None]:
-        """This step's caps while a sequence is decoding (it has output and at most its last token, or a beam's,
-        to compute), with chunked prefill on: one sequence's prefill chunk (the threshold; 0: none) and the
-        prefill tokens of all sequences together (the pacer's; None: none). No caps when nothing decodes."""
+    def _step_prefill_cap(self) -> int:
+        """The cap on one sequence's prefill chunk this step (0: none): while a sequence is decoding (it has output
+        and at most its last token, or a beam's, to compute), with chunked prefill on, the threshold and the
+        pacer's cap, whichever is lower. A cap per sequence, as vLLM's threshold: prompts arriving together each
+        get up to it, so a crowd of short prompts still joins the batch at once."""
         if not self.enable_chunked_prefill or not (self.long_prefill_token_threshold or self.pacer):
-            return 0, None
+            return 0
         if not any(r.output_token_ids and r.num_tokens - r.num_computed_tokens <= 1 for r in self.running):
-            return 0, None
-        return self.long_prefill_token_threshold, self.pacer.cap() if self.pacer else None
+            return 0
+        caps = [c for c in (self.long_prefill_token_threshold, self.pacer.cap() if self.pacer else 0) if c]
+        return min(caps)
 
     def _cap_prefill(self, num_new: int, budget: int) -> int:
-        """A sequence's tokens this step: ``num_new`` within the budget and, for a prefill chunk, the caps."""
+        """A sequence's tokens this step: ``num_new`` within the budget and, for a prefill chunk, the cap."""
         num_new = min(num_new, budget)
-        if num_new <= 1:
-            return num_new
-        if self._prefill_cap:
-            num_new = min(num_new, self._prefill_cap)
-        if self._prefill_room is not None:
-            num_new = min(num_new, self._prefill_room)
-            self._prefill_room -= num_new
-        return num_new
+        return min(num_new, self._prefill_cap) if self._prefill_cap and num_new > 1 else num_new
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Tell the pacer how long ``out`` took to run (no-op without ``max_itl_ratio``)."""
@@ -319,8 +310,6 @@ class Scheduler(SchedulerUpdate):
             if num_new > budget and not self.enable_chunked_prefill and not request.output_token_ids:
                 break  # a prompt runs whole when chunking is off (a recompute may span steps)
             num_new = self._cap_prefill(num_new, budget)
-            if num_new == 0:  # no prefill room left this step
-                break
             if self.kv.allocate_slots(
                 request.seq_id, num_computed, num_new, cached, hashes, self._lookahead(out, request, num_new, num_computed)
             ) is None:
