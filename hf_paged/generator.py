@@ -201,8 +201,9 @@ class PagedGenerator(GeneratorClients):
             state.scores = {}
         return request, state
 
-    def prepare_structured(self, params: SamplingParams) -> SamplingParams:
-        """``params`` with its structured-output grammar compiled (once per distinct spec), on this thread."""
+    def prepare_structured(self, params):
+        """``params`` (SamplingParams or BeamSearchParams) with its structured-output grammar compiled (once per
+        distinct spec), on this thread."""
         from hf_paged.structured.compiler import GrammarCompilerCache, prepare_params
 
         if self.tokenizer is None:

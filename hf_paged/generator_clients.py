@@ -152,15 +152,9 @@ class GeneratorClients:
         fill_token_id: int | None = None, keep_scores: bool = False,
     ) -> BeamSearch:
         """Admit a beam search over token-id prompts; the engine's steps advance it (``search.done``)."""
+        if params.structured_outputs is not None:  # compiled before the lock, as for sampled requests
+            params = self.prepare_structured(params)
         grammar = params.structured_outputs
-        if grammar is not None:  # compiled before the lock, as for sampled requests: steps go on meanwhile
-            if params.min_tokens:
-                raise ValueError(f"structured_outputs cannot combine with min_tokens={params.min_tokens} in beam "
-                                 "search: the grammar may complete earlier, and then only a stop token is allowed")
-            if params.ignore_eos and not params.stop_token_ids:
-                raise ValueError("structured_outputs with ignore_eos=True needs stop_token_ids: a completed "
-                                 "grammar ends the beam with a stop token")
-            grammar = self.prepare_structured(SamplingParams(max_tokens=1, structured_outputs=grammar)).structured_outputs
         with self._lock:
             self._check_usable()
             eos = self.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)

@@ -104,8 +104,9 @@ class GrammarCompilerCache:
 
 
 def prepare_params(cache: GrammarCompilerCache, params):
-    """``params`` (a :class:`~hf_paged.sampling_params.SamplingParams` with ``structured_outputs``) checked for
-    what structured output cannot combine with, and copied with its grammar compiled (ValueError if invalid)."""
+    """``params`` (a :class:`~hf_paged.sampling_params.SamplingParams` or ``BeamSearchParams`` with
+    ``structured_outputs``) checked for what structured output cannot combine with, and copied with its grammar
+    compiled (ValueError if invalid)."""
     import dataclasses
 
     wanted = params.structured_outputs
@@ -119,4 +120,4 @@ def prepare_params(cache: GrammarCompilerCache, params):
                          "the request with a stop token")
     mine = dataclasses.replace(wanted)  # the engine's own copy carries the grammar; the caller's stays as given
     mine.compiled = cache.compile(wanted)
-    return params.clone(structured_outputs=mine)
+    return dataclasses.replace(params, structured_outputs=mine)
