@@ -73,3 +73,23 @@ def stock_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=Non
             pad_token_id=0,
         )
     return out[0, len(prompt):].tolist()
+
+
+def arrival_chunks(engine, short: list[int], long: list[int], params) -> tuple[list[int], dict[str, list[int]]]:
+    """``short`` decodes for 3 steps, then ``long`` arrives: the long prompt's prefill chunk per step until it is
+    prefilled, and both requests' tokens ("short", "long") once every request finished. Closes the engine."""
+    engine.add_request(short, params, request_id="short")
+    for _ in range(3):
+        engine.step()  # "short" is decoding
+    engine.add_request(long, params, request_id="long")
+    seq = next(s for s in engine.scheduler.sequences.values() if s.request_id == "long")
+    chunks, done = [], {}
+    while engine.has_unfinished_requests():
+        before = seq.num_computed_tokens
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if before < len(long):
+            chunks.append(seq.num_computed_tokens - before)
+    engine.close()
+    return chunks, done

@@ -356,25 +356,12 @@ def test_chat_demo_speculation_box(prompts):
 def test_a_long_prompt_arriving_beside_a_decode_is_chunked_and_exact(model):
     """long_prefill_token_threshold: a 100-token prompt that arrives while another request decodes is prefilled
     8 tokens a step (the threshold alone: no pacing); both answers equal stock greedy generate."""
-    from tests.helpers import stock_greedy
+    from tests.helpers import arrival_chunks, stock_greedy
 
     short, long = make_prompts(2, lengths=[5, 100], seed=3)
     engine = PagedGenerator(model, num_blocks=256, block_size=4, long_prefill_token_threshold=8, max_itl_ratio=None)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    engine.add_request(short, params, request_id="short")
-    for _ in range(3):
-        engine.step()
-    engine.add_request(long, params, request_id="long")
-    seq = next(s for s in engine.scheduler.sequences.values() if s.request_id == "long")
-    chunks, done = [], {}
-    while engine.has_unfinished_requests():
-        before = seq.num_computed_tokens
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        if before < len(long):
-            chunks.append(seq.num_computed_tokens - before)
-    engine.close()
+    chunks, done = arrival_chunks(engine, short, long, params)
     assert chunks == [8] * 12 + [4]
     assert done["short"] == stock_greedy(model, short, 20)
     assert done["long"] == stock_greedy(model, long, 20)

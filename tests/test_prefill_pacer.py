@@ -78,7 +78,7 @@ def test_paced_cap_applies_to_each_arriving_prompt():
 
 
 def test_paced_engine_chunks_an_arriving_prompt_and_matches_stock_greedy():
-    from tests.helpers import stock_greedy
+    from tests.helpers import arrival_chunks, stock_greedy
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -87,20 +87,7 @@ def test_paced_engine_chunks_an_arriving_prompt_and_matches_stock_greedy():
     engine = PagedGenerator(model, num_blocks=128, block_size=4, long_prefill_token_threshold=None, max_itl_ratio=3.0)
     short, long = [5, 6, 7, 8], [(i * 7) % 120 + 3 for i in range(90)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    engine.add_request(short, params, request_id="short")
-    for _ in range(3):
-        engine.step()  # "short" is decoding
-    engine.add_request(long, params, request_id="long")
-    seq = next(s for s in engine.scheduler.sequences.values() if s.request_id == "long")
-    chunks, done = [], {}
-    while engine.has_unfinished_requests():
-        before = seq.num_computed_tokens
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        if before < len(long):
-            chunks.append(seq.num_computed_tokens - before)
-    engine.close()
+    chunks, done = arrival_chunks(engine, short, long, params)
     assert len(chunks) >= 3 and chunks[0] == 4 and sum(chunks) == len(long)  # paced: several chunks, 4 first
     assert done["short"] == stock_greedy(model, short, 24)
     assert done["long"] == stock_greedy(model, long, 24)

@@ -69,7 +69,7 @@ def measure(model, stream_ids: list[int], long_ids: list[int], engine_kw: dict) 
         engine.close()
     itl = [b - a for a, b in zip(times, times[1:])]
     decode = itl[: WARM - 1][2:]  # the decode baseline (its first two skipped)
-    during = [b - a for a, b in zip(times, times[1:]) if b > arrival]
+    during = [gap for gap, end in zip(itl, times[1:]) if end > arrival]
     median = statistics.median(decode)
     ms = lambda s: round(1000 * s, 1)  # noqa: E731
     return {
