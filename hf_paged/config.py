@@ -104,6 +104,10 @@ class EngineConfig:
             CPU kernels of :mod:`hf_paged.cpu.quant_linear`: "int8" (per output channel) or "int4" (groups of
             32 with a scale and a min). None: the weights as they are. The original layers come back at the
             last ``close()``. See docs/quantization.md.
+        tensor_parallel_size: Processes the model is sharded over (tensor parallelism on ``torch.distributed``,
+            gloo on CPU, NCCL on CUDA): the engine spawns ``N - 1`` workers, or joins ``torchrun``'s ranks.
+            See docs/tensor_parallel.md.
+        distributed_timeout: Seconds a tensor-parallel collective (or the group's start) may wait for a rank.
     """
 
     block_size: int = 16
@@ -129,6 +133,8 @@ class EngineConfig:
     decode_runner: str = "auto"
     decode_buckets: Any = None
     quantization: str | None = None
+    tensor_parallel_size: int = 1
+    distributed_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
@@ -169,6 +175,11 @@ class EngineConfig:
                 "with it (leave it None)"
             )
         check_quantization(self.quantization)
+        _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if isinstance(self.distributed_timeout, bool) or not isinstance(self.distributed_timeout, (int, float)) or not (
+            self.distributed_timeout > 0
+        ):
+            raise ValueError(f"distributed_timeout must be a positive number of seconds, got {self.distributed_timeout!r}")
         pw = self.prepack_weights
         if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in PACKING_KINDS)):
             raise ValueError(f"prepack_weights must be None, True, False, {PACKING_KIND_NAMES}, got {self.prepack_weights!r}")

@@ -18,7 +18,8 @@ from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
 from hf_paged.core.scheduler_output import SchedulerOutput
 from hf_paged.engine_setup import eos_token_ids, token_ids
-from hf_paged.executor import Executor, UniProcExecutor
+from hf_paged.executor import Executor
+from hf_paged.executor.multiproc import make_executor
 from hf_paged.executor.setup import check_speculative
 from hf_paged.generator_clients import GeneratorClients
 from hf_paged.output_processor import OutputProcessor, RequestState
@@ -38,7 +39,10 @@ class PagedGenerator(GeneratorClients):
 
     Args:
         model: A ``transformers`` causal LM whose class supports the attention interface. It is switched
-            to the "hf_paged" attention implementation; a plain forward still behaves as before.
+            to the "hf_paged" attention implementation; a plain forward still behaves as before. With
+            ``tensor_parallel_size=N`` > 1 it may also be a folder path (each rank loads it; see
+            :meth:`from_pretrained`), and the engine runs shards of it in N processes: the caller's model is
+            left as it is and :attr:`model` is rank 0's shard.
         tokenizer: Optional; needed for text prompts, stop strings and ``RequestOutput.text``.
         **config: Fields of :class:`~hf_paged.config.EngineConfig` (``block_size``, ``num_blocks``,
             ``max_num_seqs``, ``enable_prefix_caching``, ``preemption_mode``, ...). An unknown key raises
@@ -51,12 +55,13 @@ class PagedGenerator(GeneratorClients):
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, **config: object) -> None:
         self.config = cfg = EngineConfig.from_kwargs(**config)
-        self.model = model
         self.tokenizer = tokenizer
-        self.device = next(model.parameters()).device
         self._closed = True  # until fully built: close() then undoes nothing twice
-        # the execution layer, chosen once: this process (a tensor-parallel executor will plug in here)
-        self.executor: Executor = UniProcExecutor(model, cfg)
+        # the execution layer, chosen once: this process, or a tensor-parallel group (its rank 0's shard is then
+        # the engine's model)
+        self.executor: Executor = make_executor(model, cfg)
+        self.model = model = self.executor.model
+        self.device = next(model.parameters()).device
         self.max_model_len = self.executor.max_model_len
         try:
             self._build(model, tokenizer, cfg)
@@ -65,6 +70,32 @@ class PagedGenerator(GeneratorClients):
             raise
         self._weights_seen: int | None = None
         self._closed = False
+
+    @classmethod
+    def from_pretrained(cls, path: str, tokenizer=None, dtype: str | torch.dtype = "float32", **config: object):
+        """An engine over the causal LM in the local folder ``path``; ``tokenizer``: a tokenizer, None (the
+        folder's) or False (none: prompts are token ids).
+
+        With ``tensor_parallel_size=N`` > 1 every rank loads the folder itself and keeps its shard; under
+        ``torchrun`` the ranks other than 0 serve as workers here until rank 0 closes its engine, then exit
+        (``SystemExit(0)``): code after this call runs on rank 0 only.
+        """
+        from hf_paged.default_model import load_model
+        from hf_paged.executor.multiproc import ModelSource, worker_entry
+
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        elif tokenizer is False:
+            tokenizer = None
+        tp = config.get("tensor_parallel_size", 1)
+        if tp == 1:
+            return cls(load_model(path, dtype=dtype)[0], tokenizer, **config)
+        source = ModelSource(path=str(path), dtype=str(dtype).removeprefix("torch."))
+        if worker_entry(source, EngineConfig.from_kwargs(**config)):
+            raise SystemExit(0)
+        return cls(source, tokenizer, **config)
 
     def _build(self, model: torch.nn.Module, tokenizer, cfg: EngineConfig) -> None:
         """The engine's own parts (over the executor): block manager, scheduler, outputs."""

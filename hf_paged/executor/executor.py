@@ -2,8 +2,8 @@
 
 The engine hands it a plain-data :class:`~hf_paged.core.scheduler_output.SchedulerOutput` and gets a plain
 :class:`~hf_paged.core.scheduler_output.ModelRunnerOutput` back. :class:`UniProcExecutor` runs the model in
-this process; tensor parallelism will add a multi-process executor behind the same calls (rank 0 broadcasts
-the scheduler output, every rank runs its shard's step). Whatever the execution layer changes on the model
+this process; :class:`~hf_paged.executor.multiproc.TensorParallelExecutor` runs a tensor-parallel group behind
+the same calls (rank 0 broadcasts the scheduler output, every rank runs its shard's step). Whatever the execution layer changes on the model
 (the "hf_paged" attention, packed linears, fused layers) it takes when built and gives back in :meth:`close`,
 or when garbage-collected.
 """
@@ -71,16 +71,17 @@ class UniProcExecutor(Executor):
     Args:
         model: The HF model (switched to the "hf_paged" attention for as long as this executor lives).
         cfg: The engine configuration.
+        agree: Tensor parallelism: makes the ranks agree on the pool's block count (the smallest wins).
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: EngineConfig) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: EngineConfig, agree=None) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.packed = self.fused = self.quantized = None
         model_patches.acquire_attention(model)
         try:
             self.quantized = maybe_quantize(model, cfg, self.device)
-            self.pool, self.max_model_len = build_pool(model, cfg, self.device)
+            self.pool, self.max_model_len = build_pool(model, cfg, self.device, agree)
             self.backend = resolve_backend(cfg.attention_backend, self.device, self.pool.specs[0].dtype)
             self.packed = maybe_prepack(model, cfg, self.device)
             self.fused = maybe_fuse(model, cfg, self.device, self.pool.specs[0].dtype)

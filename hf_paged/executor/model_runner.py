@@ -150,6 +150,19 @@ class ModelRunner:
             return ModelRunnerOutput()
         return self.sample(logits, step.sampled)
 
+    @torch.inference_mode()
+    def execute_forward(self, out: SchedulerOutput) -> None:
+        """A tensor-parallel worker's step: the same block moves and forward as :meth:`execute` on rank 0 (its
+        collectives meet rank 0's), no sampling."""
+        self.update_states(out)
+        if out.is_empty:
+            return
+        self.pool.commit(out.blocks_high_water)
+        self.pool.swap_out(out.swap_out)
+        self.pool.swap_in(out.swap_in)
+        self.pool.copy_blocks(out.block_copies)
+        self.compute_logits(Step(out.scheduled, self.prepare))
+
     # -- sampling -----------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, sampled: list[ScheduledSequence]) -> ModelRunnerOutput:
         """Tokens for the sampled rows: a row that forks (n > 1) is sampled once per sample, a sequence with

@@ -26,8 +26,9 @@ from hf_paged.spec_decode.ngram import NgramProposer
 logger = logging.getLogger(__name__)
 
 
-def build_pool(model: torch.nn.Module, cfg: EngineConfig, device: torch.device) -> tuple[KVPool, int]:
-    """The KV pool for ``model`` and the engine's ``max_model_len``."""
+def build_pool(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, agree=None) -> tuple[KVPool, int]:
+    """The KV pool for ``model`` and the engine's ``max_model_len`` (``agree``: the ranks of a tensor-parallel
+    group settle on one block count)."""
     if model.training:
         logger.warning("model is in training mode: dropout will make generation random; call model.eval()")
     specs = probe_kv_layout(model)
@@ -47,6 +48,8 @@ def build_pool(model: torch.nn.Module, cfg: EngineConfig, device: torch.device) 
         specs, cfg.block_size, device, cfg.num_blocks, cfg.kv_cache_memory,
         cfg.kv_cache_memory_fraction, cfg.max_num_seqs, want_len,
     )
+    if agree is not None:
+        num_blocks = agree(num_blocks)
     capacity = num_blocks * cfg.block_size
     if cfg.max_model_len is not None and cfg.max_model_len > capacity:
         raise ValueError(

@@ -1,0 +1,410 @@
+"""Tensor parallelism over ``torch.distributed``: the rank-0 executor and the worker ranks.
+
+Rank 0 is the engine's process: it runs the scheduler and, every step, broadcasts the step's plain data
+(:class:`~hf_paged.core.scheduler_output.SchedulerOutput` without the sampling parameters: workers only run
+the forward) to the other ranks, then runs the step itself. Every rank holds its shard of the model
+(:mod:`hf_paged.executor.tensor_parallel`) and a KV pool for its own KV heads; the row-parallel layers
+all-reduce, the LM head's slices are gathered on rank 0, and only rank 0 samples.
+
+Ranks are processes the engine spawns on this machine, or, under ``torchrun`` (``WORLD_SIZE`` in the
+environment), the processes torchrun started, possibly on several machines: rank 0 drives, the others call
+:func:`run_worker`. The process group is ``init_process_group`` with gloo on CPU and NCCL on CUDA.
+
+Faults: a rank that dies or raises makes rank 0's next collective fail (or its liveness check, before each
+step); the executor then fails the step with a :class:`TensorParallelError` naming the rank, shuts every rank
+down, and fails every later step at once. A worker whose rank 0 dies gets a connection error and exits; the
+workers the engine spawns also die with their parent (Linux ``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import dataclasses
+import datetime
+import logging
+import multiprocessing.connection
+import os
+import signal
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hf_paged.config import EngineConfig
+from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from hf_paged.executor.executor import Executor, UniProcExecutor
+from hf_paged.executor.tensor_parallel import check_shardable, shard_model
+
+logger = logging.getLogger(__name__)
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed: the engine's ranks are shut down and every later step fails."""
+
+
+@dataclass
+class ModelSource:
+    """How each rank gets the full model before keeping its shard: a local folder (each rank loads it), or the
+    tensors of a model already in memory (shared with spawned ranks through shared memory)."""
+
+    path: str | None = None
+    dtype: str = "float32"
+    model_class: type | None = None
+    config: object = None
+    generation_config: object = None
+    tensors: dict[str, torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, model) -> ModelSource:
+        if isinstance(model, ModelSource):
+            return model
+        if isinstance(model, (str, os.PathLike)):
+            return cls(path=os.fspath(model))
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"model must be a transformers model or a folder path, got {type(model).__name__}")
+        if next(model.parameters()).device.type != "cpu":
+            raise ValueError("tensor parallelism from a model in memory needs it on the CPU; give a folder path instead")
+        tensors = {name: t.detach() for name, t in model.named_parameters(remove_duplicate=False)}
+        tensors.update({name: t for name, t in model.named_buffers(remove_duplicate=False)})
+        return cls(model_class=type(model), config=model.config, generation_config=getattr(model, "generation_config", None),
+                   tensors=tensors)
+
+    def skeleton(self) -> torch.nn.Module:
+        """The model's modules on the meta device (no weights): what its shape allows is checked on it."""
+        if self.path is not None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.path))
+        with torch.device("meta"):
+            return self.model_class(copy.deepcopy(self.config))
+
+    def load(self) -> torch.nn.Module:
+        """A fresh full model (its parameters shared with the source's where it had tensors)."""
+        if self.path is not None:
+            from hf_paged.default_model import load_model
+
+            return load_model(self.path, dtype=self.dtype)[0]
+        with torch.device("meta"):
+            model = self.model_class(copy.deepcopy(self.config))
+        for name, tensor in self.tensors.items():
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            if leaf in module._parameters:
+                module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
+            else:
+                module._buffers[leaf] = tensor
+        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if left:
+            raise ValueError(f"{self.model_class.__name__}: no tensor for {left[:3]} in the source model")
+        if self.generation_config is not None:
+            model.generation_config = copy.deepcopy(self.generation_config)
+        return model.eval()
+
+
+def worker_config(cfg: EngineConfig) -> EngineConfig:
+    """The execution settings every rank runs: the eager HF forward (the fused layers and the native decode
+    program call C kernels on whole weights and have no all-reduce), no speculative proposer (rank 0's)."""
+    return dataclasses.replace(cfg, fuse_layers=False, enforce_eager=True, decode_runner="auto", speculative_config=None,
+                               tensor_parallel_size=1)
+
+
+def check_config(cfg: EngineConfig) -> None:
+    if cfg.quantization is not None:
+        raise ValueError(f"quantization={cfg.quantization!r} is not supported with tensor_parallel_size > 1 yet")
+    if cfg.fuse_layers:
+        raise ValueError("fuse_layers=True cannot be used with tensor_parallel_size > 1 (the fused layers have no all-reduce)")
+    if cfg.decode_runner not in ("auto", "eager"):
+        raise ValueError(f"decode_runner={cfg.decode_runner!r} cannot be used with tensor_parallel_size > 1 (steps run eagerly)")
+    spec = cfg.speculative_config
+    if spec is not None and spec.self_draft_layers is not None:
+        raise ValueError("speculative_config 'self:N' drafts with the target's own (sharded) layers; with "
+                         "tensor_parallel_size > 1 use ngram or a separate draft model (it runs on rank 0)")
+
+
+def _agree_min(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _exchange_status(error: str | None) -> None:
+    """Every rank says whether its part went well; all raise the same error if any failed."""
+    statuses: list = [None] * dist.get_world_size()
+    dist.all_gather_object(statuses, error)
+    failed = [(rank, s) for rank, s in enumerate(statuses) if s is not None]
+    if failed:
+        raise TensorParallelError("; ".join(f"rank {rank}: {s}" for rank, s in failed))
+
+
+def build_rank(source: ModelSource, cfg: EngineConfig, rank: int, world: int) -> UniProcExecutor:
+    """This rank's shard and executor (collective with the other ranks; errors are exchanged, so every rank
+    raises the same :class:`TensorParallelError` naming the rank(s) that failed)."""
+    error, model = None, None
+    try:
+        model = source.load()
+        shard_model(model, rank, world)
+    except Exception as e:  # noqa: BLE001 - reported to every rank
+        error = f"loading its shard failed: {type(e).__name__}: {e}"
+    _exchange_status(error)
+    executor = None
+    try:
+        executor = UniProcExecutor(model, worker_config(cfg), agree=_agree_min)
+    except Exception as e:  # noqa: BLE001
+        error = f"building its KV pool failed: {type(e).__name__}: {e}"
+    _exchange_status(error)
+    return executor
+
+
+def _init_group(rank: int, world: int, init_method: str, timeout_s: float, device: torch.device) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001
+        raise TensorParallelError(f"rank {rank}: joining the process group at {init_method} failed: {type(e).__name__}: {e}") from e
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):  # Linux only: SIGKILL this process when its parent dies
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def run_worker(source: ModelSource, cfg: EngineConfig, rank: int, world: int, init_method: str,
+               timeout_s: float, conn=None) -> None:
+    """A worker rank: join the group, build its shard and pool, then run every step rank 0 broadcasts until
+    it broadcasts None (close) or a collective fails (rank 0 gone)."""
+    executor = None
+    try:
+        device = torch.device("cpu")
+        _init_group(rank, world, init_method, timeout_s, device)
+        executor = build_rank(source, cfg, rank, world)
+        if conn is not None:
+            conn.send(("ready", rank))
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                break
+            executor.runner.execute_forward(box[0])
+    except BaseException as e:  # noqa: BLE001 - reported to rank 0 where it can still listen
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.send(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        raise
+    finally:
+        if executor is not None:
+            executor.close()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def _spawned_worker(source, cfg, rank, world, init_method, timeout_s, threads, conn) -> None:
+    _die_with_parent()
+    torch.set_num_threads(threads)
+    try:
+        run_worker(source, cfg, rank, world, init_method, timeout_s, conn)
+    except BaseException:  # noqa: BLE001 - already reported through conn
+        os._exit(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launched() -> tuple[int, int, str] | None:
+    """(rank, world, init method) when torchrun (or a similar launcher) started this process, else None."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), f"tcp://{addr}:{port}"
+
+
+def worker_entry(source, cfg: EngineConfig) -> bool:
+    """Under torchrun: on a rank other than 0, serve as a worker until rank 0 closes, then return True (the
+    caller exits). On rank 0, or without a launcher, return False at once."""
+    launched = _launched()
+    if launched is None or launched[0] == 0:
+        return False
+    rank, world, init_method = launched
+    if world != cfg.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} but the launcher started WORLD_SIZE={world} processes")
+    run_worker(ModelSource.of(source), cfg, rank, world, init_method, cfg.distributed_timeout)
+    return True
+
+
+class TensorParallelExecutor(Executor):
+    """Rank 0 of a tensor-parallel group: spawns the other ranks (or joins torchrun's), holds its own shard,
+    and runs every step on all ranks.
+
+    Args:
+        source: The model (a transformers model on the CPU, or a folder path, or a :class:`ModelSource`).
+        cfg: The engine configuration (``tensor_parallel_size`` > 1).
+    """
+
+    def __init__(self, source, cfg: EngineConfig) -> None:
+        check_config(cfg)
+        self.world = world = cfg.tensor_parallel_size
+        self.source = source = ModelSource.of(source)
+        self.timeout_s = cfg.distributed_timeout
+        self.processes: list = []
+        self.conns: list = []
+        self.failed: str | None = None
+        self.inner: UniProcExecutor | None = None
+        self._threads = torch.get_num_threads()
+        check_shardable(source.skeleton(), world)  # a clear error before any process starts
+        launched = _launched()
+        if launched is not None:
+            rank, launched_world, init_method = launched
+            if rank != 0 or launched_world != world:
+                raise ValueError(f"under a launcher (RANK={rank}, WORLD_SIZE={launched_world}) the engine runs on rank 0 "
+                                 f"with tensor_parallel_size=WORLD_SIZE; got tensor_parallel_size={world}")
+        else:
+            # MASTER_ADDR / MASTER_PORT, as torch.distributed reads them, where set; else a free loopback port
+            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            init_method = f"tcp://{addr}:{os.environ.get('MASTER_PORT') or _free_port()}"
+            self._spawn(source, cfg, init_method)
+        try:
+            _init_group(0, world, init_method, self.timeout_s, torch.device("cpu"))
+            self.inner = build_rank(source, cfg, 0, world)
+            self._wait_ready()
+        except BaseException as e:
+            self._shutdown(broadcast=False)
+            if isinstance(e, TensorParallelError):
+                raise TensorParallelError(self._worker_errors() or str(e)) from None
+            raise
+        self.model = self.inner.model
+        self.runner = self.inner.runner
+        self.pool = self.inner.pool
+        self.backend = self.inner.backend
+        self.packed, self.fused, self.quantized = self.inner.packed, None, None
+        self.max_model_len = self.inner.max_model_len
+        self.num_blocks = self.inner.num_blocks
+        self.num_host_blocks = self.inner.num_host_blocks
+        self.comm_seconds = 0.0  # time spent broadcasting steps (the all-reduces are inside the forward)
+
+    # -- start --------------------------------------------------------------------------------------
+    def _spawn(self, source: ModelSource, cfg: EngineConfig, init_method: str) -> None:
+        ctx = mp.get_context("spawn")
+        threads = max(1, self._threads // self.world)
+        torch.set_num_threads(threads)
+        for rank in range(1, self.world):
+            parent, child = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_spawned_worker, name=f"hf-paged-tp{rank}", daemon=True,
+                               args=(source, cfg, rank, self.world, init_method, self.timeout_s, threads, child))
+            proc.start()
+            child.close()
+            self.processes.append(proc)
+            self.conns.append(parent)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        waiting = dict(enumerate(self.conns, start=1))
+        while waiting:
+            for conn in multiprocessing.connection.wait(list(waiting.values()), timeout=max(0.0, deadline - time.monotonic())):
+                msg = conn.recv()
+                if msg[0] != "ready":
+                    raise TensorParallelError(f"rank {msg[1]}: {msg[2]}")
+                waiting.pop(msg[1])
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"ranks {sorted(waiting)} were not ready within {self.timeout_s:.0f} s")
+
+    def _worker_errors(self) -> str:
+        found = []
+        for conn in self.conns:
+            with contextlib.suppress(Exception):
+                while conn.poll(0.5):
+                    msg = conn.recv()
+                    if msg[0] == "error":
+                        found.append(f"rank {msg[1]}: {msg[2]}")
+        return "; ".join(found)
+
+    # -- steps --------------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.failed is not None:
+            raise TensorParallelError(f"the tensor-parallel engine is shut down: {self.failed}")
+        for rank, proc in enumerate(self.processes, start=1):
+            if not proc.is_alive():
+                self._fail(f"rank {rank} exited (exit code {proc.exitcode})")
+
+    def _fail(self, why: str, cause: BaseException | None = None):
+        reported = self._worker_errors()
+        self.failed = f"{why}{'; ' + reported if reported else ''}"
+        logger.error("tensor parallelism: %s; shutting every rank down", self.failed)
+        self._shutdown(broadcast=False)
+        raise TensorParallelError(f"the tensor-parallel engine failed and is shut down: {self.failed}") from cause
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._check_alive()
+        try:
+            started = time.perf_counter()
+            dist.broadcast_object_list([dataclasses.replace(out, new_sequences=[])], src=0)
+            self.comm_seconds += time.perf_counter() - started
+            return self.inner.execute_model(out)
+        except TensorParallelError:
+            raise
+        except RuntimeError as e:
+            if "gloo" in str(e).lower() or "connection" in str(e).lower() or "nccl" in str(e).lower() or any(
+                not p.is_alive() for p in self.processes
+            ):
+                dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.processes, 1) if not p.is_alive()]
+                self._fail(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                           + (f"; dead: {', '.join(dead)}" if dead else ""), e)
+            raise
+
+    def add_proposer(self, key: str, spec) -> None:
+        if spec.self_draft_layers is not None:
+            raise ValueError("speculative_config 'self:N' cannot draft with a sharded model; use ngram or a draft model")
+        self.inner.add_proposer(key, spec)
+
+    def has_proposer(self, key: str) -> bool:
+        return self.inner.has_proposer(key)
+
+    def weights_changed(self) -> None:
+        pass
+
+    @property
+    def watches_weights(self) -> bool:
+        return False
+
+    # -- end ----------------------------------------------------------------------------------------
+    def _shutdown(self, broadcast: bool) -> None:
+        if broadcast and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.broadcast_object_list([None], src=0)
+        deadline = time.monotonic() + 5.0
+        for proc in self.processes:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        torch.set_num_threads(self._threads)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+        if self.failed is None and (self.processes or dist.is_initialized()):
+            self._shutdown(broadcast=True)
+        self.processes = []
+
+
+def make_executor(model, cfg: EngineConfig) -> Executor:
+    """The executor for ``cfg``: this process, or a tensor-parallel group."""
+    if cfg.tensor_parallel_size > 1:
+        return TensorParallelExecutor(model, cfg)
+    if isinstance(model, (ModelSource, str, os.PathLike)):
+        raise TypeError("a model path or source needs tensor_parallel_size > 1; load the model first (load_model)")
+    return UniProcExecutor(model, cfg)

@@ -1,0 +1,229 @@
+"""Tensor-parallel sharding of a HF causal LM: which linears are split how, and the one rank's shard.
+
+The plan is the model's own ``base_model_tp_plan`` from its transformers config where it has one ("colwise" /
+"rowwise" per module pattern), and our default otherwise (q/k/v and gate/up by output, o and down by input). The
+sharding itself is ours, on plain tensors:
+
+- colwise: rank ``r`` keeps its slice of the output rows (and bias). q/k/v are split by whole heads
+  (:func:`head_split`): each rank keeps a run of KV heads and the query heads that read them, unevenly where
+  ``N`` does not divide the KV heads (the default model's 3 KV heads over 2 ranks: 2 + 1); with ``N`` a multiple
+  of the KV heads, each KV head is replicated on ``N/KV`` ranks (as vLLM does).
+- rowwise: rank ``r`` keeps its slice of the input columns; the partial outputs are summed over ranks by an
+  all-reduce (a forward hook); a bias is added by rank 0 only.
+- the LM head is split by vocabulary rows; rank 0 gathers the rows' logits (sampling happens once, there).
+- everything else (embeddings, norms, rotary) is replicated.
+
+Each rank's attention modules see only their heads, so the KV pool a rank builds holds only its KV heads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# the default plan for models whose config carries none (relative to the base model)
+DEFAULT_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise",
+}
+SUPPORTED_STYLES = ("colwise", "rowwise")
+REPLICATED_STYLES = ("replicated_with_grad_allreduce",)  # e.g. q_norm/k_norm: the same on every rank
+HEAD_ATTRS = ("num_heads", "num_attention_heads")
+KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads")
+
+
+@dataclass
+class Shard:
+    """What one rank holds: its rank, the world, and each attention module's local head counts."""
+
+    rank: int
+    world: int
+    num_heads: int  # query heads of this rank
+    num_kv_heads: int  # key/value heads of this rank
+    vocab_rows: tuple[int, int]  # LM head rows [start, stop) this rank computes
+
+
+def text_config(model: torch.nn.Module):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def tp_plan(model: torch.nn.Module) -> dict[str, str]:
+    """``{module name regex: style}`` over the full model's module names."""
+    plan = getattr(text_config(model), "base_model_tp_plan", None) or DEFAULT_PLAN
+    prefix = getattr(model, "base_model_prefix", "model")
+    out = {}
+    for key, style in plan.items():
+        pattern = re.escape(f"{prefix}.{key}").replace(r"\*", r"\d+")
+        out[pattern] = style
+    return out
+
+
+def head_split(heads: int, kv: int, world: int) -> list[tuple[int, int, int, int]]:
+    """Per rank: its query heads ``[q0, q1)`` and KV heads ``[k0, k1)``. Query heads follow the KV head they
+    read. With at most as many ranks as KV heads, the KV heads are split as evenly as they go (unevenly when the
+    count does not divide: 9 query / 3 KV heads over 2 ranks gives 6+3 query heads); with more ranks, each KV
+    head is replicated on ``world / kv`` ranks, which split its query heads."""
+    if heads % kv:
+        raise ValueError(f"{heads} attention heads do not group over {kv} key/value heads")
+    group = heads // kv
+    if world <= kv:
+        out = []
+        for rank in range(world):
+            k0, k1 = rank * kv // world, (rank + 1) * kv // world
+            out.append((k0 * group, k1 * group, k0, k1))
+        return out
+    if world % kv or group % (world // kv):
+        raise ValueError(
+            f"tensor_parallel_size={world} is more than the model's {kv} key/value heads: it must be a multiple of "
+            f"them whose share of each KV head divides its {group} query heads"
+        )
+    share = world // kv
+    per = group // share
+    return [(rank * per, (rank + 1) * per, rank // share, rank // share + 1) for rank in range(world)]
+
+
+def check_shardable(model: torch.nn.Module, world: int) -> tuple[int, int]:
+    """(query heads, KV heads) of ``model``, or ValueError/NotImplementedError naming why it cannot be split ``world`` ways."""
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {world!r}")
+    cfg = text_config(model)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int):
+        raise NotImplementedError(f"{type(model).__name__}: no num_attention_heads in its config; cannot split its heads")
+    head_split(heads, kv, world)
+    plan = tp_plan(model)
+    names = {name for name, _ in model.named_modules()}
+    matched = {p: [n for n in names if re.fullmatch(p, n)] for p in plan}
+    for pattern, style in plan.items():
+        if style not in SUPPORTED_STYLES + REPLICATED_STYLES:
+            raise NotImplementedError(
+                f"{type(model).__name__}: its tp_plan shards {pattern!r} as {style!r}; hf_paged runs "
+                f"{', '.join(SUPPORTED_STYLES)} (and replicated) layers"
+            )
+        for name in matched[pattern]:
+            if style in SUPPORTED_STYLES and type(model.get_submodule(name)) is not torch.nn.Linear:
+                raise NotImplementedError(
+                    f"{type(model).__name__}: {name} is a {type(model.get_submodule(name)).__name__}, "
+                    "hf_paged shards nn.Linear layers only"
+                )
+    if not any(matched[p] for p, s in plan.items() if s == "rowwise"):
+        raise NotImplementedError(
+            f"{type(model).__name__}: no module matches its tensor-parallel plan ({sorted(plan.values())}); "
+            "hf_paged shards models with separate q/k/v/o and gate/up/down projections"
+        )
+    return heads, kv
+
+
+def _slice_param(module: torch.nn.Module, name: str, dim: int, start: int, stop: int) -> None:
+    param = getattr(module, name)
+    if param is None:
+        return
+    part = param.detach().narrow(dim, start, stop - start).clone()
+    setattr(module, name, torch.nn.Parameter(part, requires_grad=False))
+
+
+def _all_reduce_hook(module, args, output):
+    dist.all_reduce(output)
+    return output
+
+
+class VocabShardedHead(torch.nn.Module):
+    """The LM head's rows ``[start, stop)`` of ``vocab``; rank 0 gathers the full logits, other ranks return
+    their own slice (nobody reads it)."""
+
+    def __init__(self, head: torch.nn.Linear, rank: int, world: int) -> None:
+        super().__init__()
+        vocab = head.weight.shape[0]
+        self.out_features = vocab
+        self.in_features = head.weight.shape[1]
+        self.rows = -(-vocab // world)  # every rank computes this many rows (the last one padded with zeros)
+        self.start, self.stop = min(rank * self.rows, vocab), min((rank + 1) * self.rows, vocab)
+        self.rank, self.world = rank, world
+        weight = head.weight.detach()[self.start : self.stop]
+        pad = self.rows - weight.shape[0]
+        if pad:
+            weight = torch.cat([weight, weight.new_zeros(pad, weight.shape[1])])
+        self.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+        bias = None
+        if head.bias is not None:
+            bias = head.bias.detach()[self.start : self.stop]
+            bias = torch.cat([bias, bias.new_zeros(pad)]) if pad else bias.clone()
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight, self.bias).contiguous()
+        if self.rank == 0:
+            parts = [torch.empty_like(local) for _ in range(self.world)]
+            dist.gather(local, parts, dst=0)
+            return torch.cat(parts, dim=-1)[..., : self.out_features]
+        dist.gather(local, None, dst=0)
+        return local
+
+
+def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
+    """Split ``model`` in place into rank ``rank``'s shard of ``world`` (new, smaller parameters: tensors it
+    shared with another model are never written). The forward then needs the process group (all-reduce)."""
+    heads, kv = check_shardable(model, world)
+    q0, q1, k0, k1 = head_split(heads, kv, world)[rank]
+    plan = tp_plan(model)
+    head_dim = None
+    attention_modules = set()
+    for name, module in list(model.named_modules()):
+        style = next((s for p, s in plan.items() if re.fullmatch(p, name)), None)
+        if style not in SUPPORTED_STYLES:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        parent = model.get_submodule(name.rsplit(".", 1)[0])
+        if leaf in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            attention_modules.add(parent)
+            n_heads = heads if leaf in ("q_proj", "o_proj") else kv
+            size = module.in_features if leaf == "o_proj" else module.out_features
+            if size % n_heads:
+                raise NotImplementedError(f"{name}: {size} features do not split into {n_heads} heads")
+            hd = size // n_heads
+            h0, h1 = (q0, q1) if leaf in ("q_proj", "o_proj") else (k0, k1)
+            start, stop = h0 * hd, h1 * hd
+            if leaf == "q_proj":
+                head_dim = hd
+        else:
+            size = module.out_features if style == "colwise" else module.in_features
+            start, stop = rank * size // world, (rank + 1) * size // world
+        if style == "colwise":
+            _slice_param(module, "weight", 0, start, stop)
+            _slice_param(module, "bias", 0, start, stop)
+            module.out_features = stop - start
+        else:
+            _slice_param(module, "weight", 1, start, stop)
+            if rank != 0 and module.bias is not None:
+                module.bias = None  # added once, by rank 0, before the sum
+            module.in_features = stop - start
+            module.register_forward_hook(_all_reduce_hook)
+    for module in attention_modules:
+        for attr in HEAD_ATTRS:
+            if isinstance(getattr(module, attr, None), int):
+                setattr(module, attr, q1 - q0)
+        for attr in KV_HEAD_ATTRS:
+            if isinstance(getattr(module, attr, None), int):
+                setattr(module, attr, k1 - k0)
+        if isinstance(getattr(module, "num_key_value_groups", None), int):
+            module.num_key_value_groups = (q1 - q0) // (k1 - k0)
+        for norm in ("q_norm", "k_norm"):  # per-head norms are replicated; a norm over all heads cannot be split
+            weight = getattr(getattr(module, norm, None), "weight", None)
+            if weight is not None and head_dim is not None and weight.shape[-1] != head_dim:
+                raise NotImplementedError(f"{type(module).__name__}.{norm} normalizes across heads; it cannot be split")
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        raise NotImplementedError(f"{type(model).__name__}: its LM head is a {type(head).__name__}, not an nn.Linear")
+    sharded = VocabShardedHead(head, rank, world)
+    model.set_output_embeddings(sharded)
+    model.config.tie_word_embeddings = False  # never re-tie the slice to the full embedding
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().tie_word_embeddings = False
+    return Shard(rank, world, q1 - q0, k1 - k0, (sharded.start, sharded.stop))

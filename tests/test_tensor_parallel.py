@@ -1,0 +1,206 @@
+"""Tensor parallelism on torch.distributed (gloo, 2 processes on loopback): exact greedy parity with stock
+generate and the one-process engine, the engine's features on top, faults and start-up errors.
+
+Every engine here spawns one worker process (a few seconds each): the cases share engines where they can."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_paged import PagedGenerator, SamplingParams
+from hf_paged.executor.multiproc import TensorParallelError
+from hf_paged.executor.tensor_parallel import head_split
+from tests.helpers import make_model, make_prompts, stock_greedy
+
+NEW = 12
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+def _workers() -> list[int]:
+    """This process's spawned children that are tensor-parallel workers (not multiprocessing's resource tracker)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
+    found = []
+    for pid in map(int, out.split()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_left():
+    yield
+    deadline = time.monotonic() + 10
+    while _workers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _workers(), "a worker process was left behind"
+    assert not dist.is_initialized()
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_parity_with_stock_generate_and_one_process(arch):
+    """GQA (llama: 4 query / 2 KV heads), q/k/v biases (qwen2), a 48-token sliding window (mistral, prompts up
+    to 90 tokens); chunked prefill (a 32-token step budget) runs beside decodes."""
+    model = make_model(arch)
+    prompts = make_prompts(5, [3, 20, 49, 70, 90], seed=3)
+    want = [stock_greedy(model, p, NEW) for p in prompts]
+    single = PagedGenerator(model, num_blocks=80, max_num_batched_tokens=32)
+    assert _tokens(single.generate(prompts, GREEDY, use_tqdm=False)) == want
+    single.close()
+    engine = PagedGenerator(model, tensor_parallel_size=2, num_blocks=80, max_num_batched_tokens=32)
+    assert engine.pool.specs[0].num_kv_heads == 1  # each rank holds its own KV head
+    assert _tokens(engine.generate(prompts, GREEDY, use_tqdm=False)) == want
+    engine.kv_manager.check_consistency()
+    assert engine.kv_manager.num_used_blocks == 0
+    assert engine.executor.comm_seconds > 0
+    engine.close()
+
+
+def test_prefix_caching_n_samples_and_speculative_decoding():
+    model = make_model("llama")
+    shared = make_prompts(1, [40], seed=5)[0]
+    prompts = [shared + [7, 8, 9], shared + [10, 11]]
+    repeat = [p * 3 for p in make_prompts(2, [8, 15], seed=6)]  # n-gram lookups find matches
+    draft = make_model("llama", seed=1)
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, seed=11, n=3)
+    results = {}
+    for tp in (1, 2):
+        engine = PagedGenerator(model, tensor_parallel_size=tp, num_blocks=120, block_size=8)
+        first = _tokens(engine.generate(prompts[:1], GREEDY, use_tqdm=False))
+        second = _tokens(engine.generate(prompts[1:], GREEDY, use_tqdm=False))
+        hits = engine.stats().prefix_cache_hits
+        samples = [c.token_ids for c in engine.generate([prompts[0]], sampled, use_tqdm=False)[0].outputs]
+        spec = {}
+        for name, cfg in (("ngram", dict(method="ngram", num_speculative_tokens=3)),
+                          ("draft", dict(method="draft_model", model=draft, num_speculative_tokens=2))):
+            ids = [engine.add_request(p, GREEDY, speculative_config=cfg) for p in repeat]
+            done = {}
+            while engine.has_unfinished_requests():
+                done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+            spec[name] = [done[i] for i in ids]
+        stats = engine.stats()
+        engine.kv_manager.check_consistency()
+        assert engine.kv_manager.num_used_blocks == 0
+        engine.close()
+        results[tp] = first, second, samples, spec
+        assert hits > 0 and stats.spec_num_draft_tokens > 0
+    first, second, samples, spec = results[2]
+    assert first + second == [stock_greedy(model, p, NEW) for p in prompts]
+    assert spec["ngram"] == spec["draft"] == [stock_greedy(model, p, NEW) for p in repeat]
+    assert samples == results[1][2] and len({tuple(s) for s in samples}) > 1  # seeded samples: the same draws
+
+
+def test_default_model_from_pretrained():
+    """The default model (9 query / 3 KV heads: split 6 + 3 over 2 ranks) loaded by every rank from its folder."""
+    from hf_paged.default_model import default_model_path, load_default
+
+    model, tokenizer = load_default()
+    chats = [[{"role": "user", "content": c}] for c in ("What is the capital of France?", "Write a haiku about rain.")]
+    prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
+    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = [stock_greedy(model, p, 10) for p in prompts]
+    engine = PagedGenerator.from_pretrained(str(default_model_path()), tokenizer, tensor_parallel_size=2, num_blocks=64)
+    assert [s.num_kv_heads for s in engine.pool.specs[:1]] == [1]
+    assert _tokens(engine.generate(prompts, params, use_tqdm=False)) == want
+    engine.close()
+
+
+def test_a_killed_worker_fails_the_requests_and_shuts_the_group_down():
+    model = make_model("llama")
+    engine = PagedGenerator(model, tensor_parallel_size=2, num_blocks=40, distributed_timeout=20)
+    engine.add_request(make_prompts(1, [10])[0], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True),
+                       request_id="a")
+    engine.step()
+    worker = engine.executor.processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    started = time.monotonic()
+    outs = []
+    while engine.has_unfinished_requests() and time.monotonic() - started < 30:
+        outs += engine.step()
+    assert time.monotonic() - started < 10
+    (out,) = [o for o in outs if o.finished]
+    assert out.outputs[0].finish_reason == "error"
+    with pytest.raises(TensorParallelError, match="rank 1"):
+        engine.executor.execute_model(engine.scheduler.schedule())
+    later = engine.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]  # fails at once: the group is gone
+    assert later.outputs[0].finish_reason == "error"
+    engine.close()
+    assert not worker.is_alive()
+
+
+def test_bad_configurations_are_refused_before_any_process_starts():
+    model = make_model("llama")  # 4 query heads, 2 KV heads
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        PagedGenerator(model, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 is more than the model's 2 key/value heads"):
+        PagedGenerator(model, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="self:N"):
+        PagedGenerator(model, tensor_parallel_size=2,
+                       speculative_config=dict(method="draft_model", model="self:1", num_speculative_tokens=2))
+    with pytest.raises(ValueError, match="quantization='int8' is not supported with tensor_parallel_size"):
+        PagedGenerator(model, tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(TypeError, match="needs tensor_parallel_size > 1"):
+        PagedGenerator("/no/such/folder")
+    assert head_split(9, 3, 2) == [(0, 3, 0, 1), (3, 9, 1, 3)]  # uneven: the default model's 3 KV heads
+    assert head_split(4, 2, 4) == [(0, 1, 0, 1), (1, 2, 0, 1), (2, 3, 1, 2), (3, 4, 1, 2)]  # KV heads replicated
+
+
+def test_start_up_errors_name_the_rank_and_the_cause(monkeypatch):
+    model = make_model("llama")
+    # a shard that does not fit: every rank's pool is too small for max_model_len
+    with pytest.raises(TensorParallelError, match=r"rank 0: building its KV pool failed: ValueError: max_model_len=900.*"
+                                                  r"rank 1: building its KV pool failed"):
+        PagedGenerator(model, tensor_parallel_size=2, num_blocks=4, block_size=16, max_model_len=900)
+    # the rendezvous port is taken
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 0: .*127\.0\.0\.1:\d+.*(in use|EADDRINUSE)"):
+            PagedGenerator(model, tensor_parallel_size=2, num_blocks=40, distributed_timeout=10)
+        assert time.monotonic() - started < 30
+
+
+def test_torchrun_launch_two_ranks(tmp_path):
+    """Under torchrun every rank runs the same script; rank 0 drives the engine, rank 1 serves as a worker."""
+    model = make_model("qwen2")
+    model.save_pretrained(tmp_path / "m")
+    prompt = make_prompts(1, [30], seed=9)[0]
+    want = stock_greedy(model, prompt, NEW)
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        from hf_paged import PagedGenerator, SamplingParams
+        engine = PagedGenerator.from_pretrained({str(tmp_path / "m")!r}, tokenizer=None, tensor_parallel_size=2,
+                                                num_blocks=40)
+        out = engine.generate([{prompt!r}], SamplingParams(max_tokens={NEW}, temperature=0.0, ignore_eos=True),
+                              use_tqdm=False)
+        print("TOKENS", out[0].outputs[0].token_ids, flush=True)
+        engine.close()
+    """))
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("TOKENS")]
+    assert line == f"TOKENS {want}"
