@@ -33,10 +33,35 @@ def _load(args):
         raise UsageError(" ".join(str(e).split()) or type(e).__name__) from e
 
 
-def _quantization(args) -> dict:
-    """Engine keyword for --quantization int8/int4 (gguf is a way of loading, see _load)."""
+def _engine_options(args) -> dict:
+    """Engine keywords from the flags: --quantization int8/int4 (gguf is a way of loading, see _load) and
+    --tensor-parallel-size."""
     q = getattr(args, "quantization", None)
-    return {"quantization": q} if q in ("int8", "int4") else {}
+    out = {"quantization": q} if q in ("int8", "int4") else {}
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp != 1:
+        if q == "gguf":
+            raise UsageError("--quantization gguf cannot be used with --tensor-parallel-size > 1")
+        out["tensor_parallel_size"] = tp
+    return out
+
+
+def _engine(args, **config):
+    """``(engine, tokenizer)`` for the command's flags. With --tensor-parallel-size N every rank loads the folder
+    (the default model's too) and keeps its shard; under torchrun, ranks other than 0 serve as workers here and
+    exit when rank 0 is done."""
+    from hf_paged import PagedGenerator
+    from hf_paged.default_model import default_model_path
+
+    config.update(_engine_options(args))
+    if config.get("tensor_parallel_size", 1) > 1:
+        from transformers import AutoTokenizer
+
+        path = args.model or str(default_model_path())
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return PagedGenerator.from_pretrained(path, tokenizer, dtype=args.dtype, **config), tokenizer
+    model, tokenizer = _load(args)
+    return PagedGenerator(model, tokenizer, **config), tokenizer
 
 
 def _params(args):
@@ -66,10 +91,7 @@ def _as_prompt(tokenizer, text: str, raw: bool):
 def cmd_generate(args) -> int:
     params = _params(args)
     check_model_folder(args.model)
-    from hf_paged import PagedGenerator
-
-    model, tokenizer = _load(args)
-    engine = PagedGenerator(model, tokenizer, max_num_seqs=max(8, len(args.prompts)), **_quantization(args))
+    engine, tokenizer = _engine(args, max_num_seqs=max(8, len(args.prompts)))
     prompts = [_as_prompt(tokenizer, p, args.raw) for p in args.prompts]
     if len(prompts) == 1:
         for delta in engine.stream(prompts[0], params):
@@ -86,14 +108,11 @@ def cmd_batch(args) -> int:
     params = _params(args)
     check_model_folder(args.model)
     conversations = read_conversations(args.file)
-    from hf_paged import PagedGenerator
-
-    model, tokenizer = _load(args)
+    engine, tokenizer = _engine(args, max_num_seqs=len(conversations))
     prompts = [
         tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
         for m in conversations
     ]
-    engine = PagedGenerator(model, tokenizer, max_num_seqs=len(prompts), **_quantization(args))
     start = time.perf_counter()
     outs = engine.generate(prompts, params, use_tqdm=not args.quiet)
     seconds = time.perf_counter() - start
@@ -154,16 +173,14 @@ def _require_serve_extra(*modules: str) -> None:
 
 
 def _engine_loop(args, max_num_seqs: int):
-    from hf_paged import PagedGenerator
     from hf_paged.serving import AsyncPagedEngine
 
-    model, tokenizer = _load(args)
-    config = {"max_num_seqs": max_num_seqs, **_quantization(args)}
+    config = {"max_num_seqs": max_num_seqs}
     if getattr(args, "max_model_len", None):
         config["max_model_len"] = args.max_model_len
     if getattr(args, "speculative_config", None):
         config["speculative_config"] = args.speculative_config
-    engine = PagedGenerator(model, tokenizer, **config)
+    engine, tokenizer = _engine(args, **config)
     return AsyncPagedEngine(engine, max_waiting_requests=args.max_waiting_requests), tokenizer
 
 
@@ -255,6 +272,9 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int, temperature: floa
     p.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None,
                    help="weight-only quantized linears: int8/int4 quantize at start; gguf keeps the default model's "
                    "Q4_1 GGUF weights as stored (docs/quantization.md)")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                   help="shard the model over N processes (torch.distributed; under torchrun, its WORLD_SIZE); "
+                   "docs/tensor_parallel.md")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer (>= 1)")
     p.add_argument("--temperature", type=float, default=temperature, help="0 is greedy; otherwise > 0")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 disables")
@@ -268,6 +288,9 @@ def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -
     p.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None,
                    help="weight-only quantized linears: int8/int4 quantize at start; gguf keeps the default model's "
                    "Q4_1 GGUF weights as stored (docs/quantization.md)")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                   help="shard the model over N processes (torch.distributed; under torchrun, its WORLD_SIZE); "
+                   "docs/tensor_parallel.md")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=port, help="port to listen on")
     p.add_argument("--max-num-seqs", type=_positive_int, default=max_num_seqs, help="most sequences in one batch")

@@ -107,6 +107,48 @@ def test_prefix_caching_n_samples_and_speculative_decoding():
     assert samples == results[1][2] and len({tuple(s) for s in samples}) > 1  # seeded samples: the same draws
 
 
+def test_beam_search_and_swap_preemption():
+    """Beams share blocks (copy-on-write on every rank's pool); a pool too small for all requests swaps them out
+    to host memory and back, on every rank."""
+    from hf_paged import BeamSearchParams
+
+    model = make_model("mistral")
+    prompts = make_prompts(6, [30, 41, 52, 35, 60, 44], seed=8)
+    beams = BeamSearchParams(beam_width=3, max_tokens=6)
+    got = {}
+    for tp in (1, 2):
+        engine = PagedGenerator(model, tensor_parallel_size=tp, block_size=8, num_blocks=36, preemption_mode="swap",
+                                swap_space=2**22, max_itl_ratio=None)
+        greedy = _tokens(engine.generate(prompts, GREEDY, use_tqdm=False))
+        preempted = engine.stats().num_preemptions.get("swap", 0)
+        searched = [[b.token_ids for b in out.sequences] for out in engine.beam_search(prompts[:2], beams)]
+        engine.kv_manager.check_consistency()
+        assert engine.kv_manager.num_used_blocks == 0
+        engine.close()
+        got[tp] = greedy, searched
+        assert preempted > 0
+    assert got[2][0] == [stock_greedy(model, p, NEW) for p in prompts]
+    assert got[2][1] == got[1][1]
+
+
+def test_openai_server_on_a_tensor_parallel_engine():
+    openai = pytest.importorskip("openai")
+    from tests.serving_helpers import TINY_NAME, default_tokenizer, serve, tiny_chat_model
+
+    tokenizer = default_tokenizer()
+    model = tiny_chat_model(tokenizer)
+    messages = [{"role": "user", "content": "Name three colors."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = stock_greedy(model, ids, 8)
+    with serve(model, tokenizer, TINY_NAME, tensor_parallel_size=2, num_blocks=64) as (url, loop):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        reply = client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=8, temperature=0)
+        assert reply.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
+        chunks = client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=8, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+
+
 def test_default_model_from_pretrained():
     """The default model (9 query / 3 KV heads: split 6 + 3 over 2 ranks) loaded by every rank from its folder."""
     from hf_paged.default_model import default_model_path, load_default

@@ -26,10 +26,12 @@ import datetime
 import logging
 import multiprocessing.connection
 import os
+import re
 import signal
 import socket
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -215,6 +217,36 @@ def _spawned_worker(source, cfg, rank, world, init_method, timeout_s, threads, c
         os._exit(1)
 
 
+@contextlib.contextmanager
+def _rank_places(rank: int, world: int):
+    """While a worker starts: where the ``hf-paged`` launcher bound OpenMP threads to a list of places
+    (``OMP_PLACES={0},{1},...``), the worker gets its own share of them, as its places and as the CPU mask it
+    starts with (a child inherits the mask of the thread that starts it, which OpenMP bound to rank 0's
+    first core; without this every rank would crowd onto that core)."""
+    parts = re.findall(r"\{([0-9,]+)\}", os.environ.get("OMP_PLACES", ""))
+    if len(parts) < world or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    share = parts[rank * len(parts) // world : (rank + 1) * len(parts) // world]
+    cpus = {int(c) for part in share for c in part.split(",")}
+    saved = {k: os.environ.get(k) for k in ("OMP_PLACES", "OMP_NUM_THREADS")}
+    mask = os.sched_getaffinity(0)
+    os.environ["OMP_PLACES"] = ",".join("{%s}" % p for p in share)
+    os.environ["OMP_NUM_THREADS"] = str(len(share))
+    try:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cpus)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, mask)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -291,6 +323,18 @@ class TensorParallelExecutor(Executor):
         self.num_blocks = self.inner.num_blocks
         self.num_host_blocks = self.inner.num_host_blocks
         self.comm_seconds = 0.0  # time spent broadcasting steps (the all-reduces are inside the forward)
+        # an engine never closed (a script that just ends) still tells its workers to stop at exit
+        self._at_exit = weakref.finalize(self, TensorParallelExecutor._stop_workers, self.processes)
+
+    @staticmethod
+    def _stop_workers(processes) -> None:
+        if any(p.is_alive() for p in processes) and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.broadcast_object_list([None], src=0)
+        for proc in processes:
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
 
     # -- start --------------------------------------------------------------------------------------
     def _spawn(self, source: ModelSource, cfg: EngineConfig, init_method: str) -> None:
@@ -301,7 +345,8 @@ class TensorParallelExecutor(Executor):
             parent, child = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_spawned_worker, name=f"hf-paged-tp{rank}", daemon=True,
                                args=(source, cfg, rank, self.world, init_method, self.timeout_s, threads, child))
-            proc.start()
+            with _rank_places(rank, self.world):
+                proc.start()
             child.close()
             self.processes.append(proc)
             self.conns.append(parent)
@@ -398,7 +443,7 @@ class TensorParallelExecutor(Executor):
             self.inner.close()
         if self.failed is None and (self.processes or dist.is_initialized()):
             self._shutdown(broadcast=True)
-        self.processes = []
+        self._at_exit.detach()
 
 
 def make_executor(model, cfg: EngineConfig) -> Executor:
