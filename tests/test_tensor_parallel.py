@@ -246,3 +246,50 @@ def test_torchrun_launch_two_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("TOKENS")]
     assert line == f"TOKENS {want}"
+
+
+@pytest.mark.parametrize("arch,tie", [("qwen2", False), ("llama", True)])
+def test_a_rank_reads_only_its_shard_from_the_folder(tmp_path, arch, tie):
+    """A rank builds empty modules and reads its slices from the safetensors file: the same tensors as slicing
+    the loaded model, and about half the bytes of the full model (embeddings and norms are replicated)."""
+    from hf_paged.executor.shard_loading import ModelSource
+
+    model = make_model(arch, tie_word_embeddings=tie)
+    model.save_pretrained(tmp_path)
+    full_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    for rank in (0, 1):
+        from_folder = ModelSource(path=str(tmp_path)).load_shard(rank, 2).state_dict()
+        from_memory = ModelSource.of(model).load_shard(rank, 2).state_dict()
+        assert from_folder.keys() == from_memory.keys()
+        for name, tensor in from_folder.items():
+            assert torch.equal(tensor, from_memory[name]), name
+        shard_bytes = sum(t.numel() * t.element_size() for t in from_folder.values())
+        embed = model.get_input_embeddings().weight
+        assert shard_bytes < 0.5 * full_bytes + embed.numel() * embed.element_size() + 4096
+
+
+def test_workers_die_with_a_killed_rank_zero(tmp_path):
+    script = tmp_path / "rank0.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        from hf_paged import PagedGenerator
+        from tests.helpers import make_model
+        if __name__ == "__main__":  # spawned workers import this module again
+            engine = PagedGenerator(make_model("llama"), tensor_parallel_size=2, num_blocks=40)
+            print("WORKER", engine.executor.processes[0].pid, flush=True)
+            time.sleep(120)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()}, cwd=os.getcwd())
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("WORKER"), line
+        worker = int(line.split()[1])
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{worker}"), "the worker outlived its rank 0"
+    finally:
+        proc.kill()

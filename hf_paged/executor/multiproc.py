@@ -19,7 +19,6 @@ workers the engine spawns also die with their parent (Linux ``PR_SET_PDEATHSIG``
 from __future__ import annotations
 
 import contextlib
-import copy
 import ctypes
 import dataclasses
 import datetime
@@ -32,7 +31,6 @@ import socket
 import time
 import traceback
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,73 +39,14 @@ import torch.multiprocessing as mp
 from hf_paged.config import EngineConfig
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from hf_paged.executor.executor import Executor, UniProcExecutor
-from hf_paged.executor.tensor_parallel import check_shardable, shard_model
+from hf_paged.executor.shard_loading import ModelSource
+from hf_paged.executor.tensor_parallel import check_shardable
 
 logger = logging.getLogger(__name__)
 
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed: the engine's ranks are shut down and every later step fails."""
-
-
-@dataclass
-class ModelSource:
-    """How each rank gets the full model before keeping its shard: a local folder (each rank loads it), or the
-    tensors of a model already in memory (shared with spawned ranks through shared memory)."""
-
-    path: str | None = None
-    dtype: str = "float32"
-    model_class: type | None = None
-    config: object = None
-    generation_config: object = None
-    tensors: dict[str, torch.Tensor] | None = None
-
-    @classmethod
-    def of(cls, model) -> ModelSource:
-        if isinstance(model, ModelSource):
-            return model
-        if isinstance(model, (str, os.PathLike)):
-            return cls(path=os.fspath(model))
-        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-            raise TypeError(f"model must be a transformers model or a folder path, got {type(model).__name__}")
-        if next(model.parameters()).device.type != "cpu":
-            raise ValueError("tensor parallelism from a model in memory needs it on the CPU; give a folder path instead")
-        tensors = {name: t.detach() for name, t in model.named_parameters(remove_duplicate=False)}
-        tensors.update({name: t for name, t in model.named_buffers(remove_duplicate=False)})
-        return cls(model_class=type(model), config=model.config, generation_config=getattr(model, "generation_config", None),
-                   tensors=tensors)
-
-    def skeleton(self) -> torch.nn.Module:
-        """The model's modules on the meta device (no weights): what its shape allows is checked on it."""
-        if self.path is not None:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            with torch.device("meta"):
-                return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.path))
-        with torch.device("meta"):
-            return self.model_class(copy.deepcopy(self.config))
-
-    def load(self) -> torch.nn.Module:
-        """A fresh full model (its parameters shared with the source's where it had tensors)."""
-        if self.path is not None:
-            from hf_paged.default_model import load_model
-
-            return load_model(self.path, dtype=self.dtype)[0]
-        with torch.device("meta"):
-            model = self.model_class(copy.deepcopy(self.config))
-        for name, tensor in self.tensors.items():
-            owner, _, leaf = name.rpartition(".")
-            module = model.get_submodule(owner)
-            if leaf in module._parameters:
-                module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
-            else:
-                module._buffers[leaf] = tensor
-        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-        if left:
-            raise ValueError(f"{self.model_class.__name__}: no tensor for {left[:3]} in the source model")
-        if self.generation_config is not None:
-            model.generation_config = copy.deepcopy(self.generation_config)
-        return model.eval()
 
 
 def worker_config(cfg: EngineConfig) -> EngineConfig:
@@ -150,8 +89,7 @@ def build_rank(source: ModelSource, cfg: EngineConfig, rank: int, world: int) ->
     raises the same :class:`TensorParallelError` naming the rank(s) that failed)."""
     error, model = None, None
     try:
-        model = source.load()
-        shard_model(model, rank, world)
+        model = source.load_shard(rank, world)
     except Exception as e:  # noqa: BLE001 - reported to every rank
         error = f"loading its shard failed: {type(e).__name__}: {e}"
     _exchange_status(error)

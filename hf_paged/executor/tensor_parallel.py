@@ -46,6 +46,9 @@ class Shard:
     num_heads: int  # query heads of this rank
     num_kv_heads: int  # key/value heads of this rank
     vocab_rows: tuple[int, int]  # LM head rows [start, stop) this rank computes
+    # parameter name -> (dim, start, stop) of the full tensor this rank keeps (the rest are whole); the LM
+    # head's rows may end past the vocabulary: those are zeros
+    slices: dict[str, tuple[int, int, int]]
 
 
 def text_config(model: torch.nn.Module):
@@ -121,12 +124,13 @@ def check_shardable(model: torch.nn.Module, world: int) -> tuple[int, int]:
     return heads, kv
 
 
-def _slice_param(module: torch.nn.Module, name: str, dim: int, start: int, stop: int) -> None:
+def _slice_param(module: torch.nn.Module, name: str, dim: int, start: int, stop: int, slices: dict, prefix: str) -> None:
     param = getattr(module, name)
     if param is None:
         return
     part = param.detach().narrow(dim, start, stop - start).clone()
     setattr(module, name, torch.nn.Parameter(part, requires_grad=False))
+    slices[f"{prefix}.{name}"] = (dim, start, stop)
 
 
 def _all_reduce_hook(module, args, output):
@@ -173,6 +177,7 @@ def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
     heads, kv = check_shardable(model, world)
     q0, q1, k0, k1 = head_split(heads, kv, world)[rank]
     plan = tp_plan(model)
+    slices: dict[str, tuple[int, int, int]] = {}
     head_dim = None
     attention_modules = set()
     for name, module in list(model.named_modules()):
@@ -196,11 +201,11 @@ def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
             size = module.out_features if style == "colwise" else module.in_features
             start, stop = rank * size // world, (rank + 1) * size // world
         if style == "colwise":
-            _slice_param(module, "weight", 0, start, stop)
-            _slice_param(module, "bias", 0, start, stop)
+            _slice_param(module, "weight", 0, start, stop, slices, name)
+            _slice_param(module, "bias", 0, start, stop, slices, name)
             module.out_features = stop - start
         else:
-            _slice_param(module, "weight", 1, start, stop)
+            _slice_param(module, "weight", 1, start, stop, slices, name)
             if rank != 0 and module.bias is not None:
                 module.bias = None  # added once, by rank 0, before the sum
             module.in_features = stop - start
@@ -222,8 +227,12 @@ def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
     if type(head) is not torch.nn.Linear:
         raise NotImplementedError(f"{type(model).__name__}: its LM head is a {type(head).__name__}, not an nn.Linear")
     sharded = VocabShardedHead(head, rank, world)
+    head_name = next(n for n, m in model.named_modules() if m is head)
     model.set_output_embeddings(sharded)
+    for leaf in ("weight", "bias"):
+        if getattr(sharded, leaf) is not None:
+            slices[f"{head_name}.{leaf}"] = (0, sharded.start, sharded.start + sharded.rows)
     model.config.tie_word_embeddings = False  # never re-tie the slice to the full embedding
     if hasattr(model.config, "get_text_config"):
         model.config.get_text_config().tie_word_embeddings = False
-    return Shard(rank, world, q1 - q0, k1 - k0, (sharded.start, sharded.stop))
+    return Shard(rank, world, q1 - q0, k1 - k0, (sharded.start, sharded.stop), slices)

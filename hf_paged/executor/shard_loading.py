@@ -1,0 +1,167 @@
+"""Where a tensor-parallel rank's weights come from: :class:`ModelSource`.
+
+- A local folder of safetensors files: the rank builds the model's modules without weights, shards them
+  (:func:`~hf_paged.executor.tensor_parallel.shard_model` on empty tensors) and reads from the files only the
+  slices it keeps (``safe_open(...).get_slice``) and the replicated tensors: its memory holds its shard, never
+  the full model. A folder whose tensor names do not match the model's (a checkpoint transformers converts
+  while loading) falls back to a full ``from_pretrained`` and slices it.
+- A model already in memory: its tensors are passed to spawned ranks through shared memory (no copy), and
+  each rank slices its part.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hf_paged.executor.tensor_parallel import shard_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelSource:
+    """How each rank gets its shard: from a local folder, or from the tensors of a model in memory."""
+
+    path: str | None = None
+    dtype: str = "float32"
+    model_class: type | None = None
+    config: object = None
+    generation_config: object = None
+    tensors: dict[str, torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, model) -> ModelSource:
+        if isinstance(model, ModelSource):
+            return model
+        if isinstance(model, (str, os.PathLike)):
+            return cls(path=os.fspath(model))
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"model must be a transformers model or a folder path, got {type(model).__name__}")
+        if next(model.parameters()).device.type != "cpu":
+            raise ValueError("tensor parallelism from a model in memory needs it on the CPU; give a folder path instead")
+        tensors = {name: t.detach() for name, t in model.named_parameters(remove_duplicate=False)}
+        tensors.update({name: t for name, t in model.named_buffers(remove_duplicate=False)})
+        return cls(model_class=type(model), config=model.config, generation_config=getattr(model, "generation_config", None),
+                   tensors=tensors)
+
+    def skeleton(self) -> torch.nn.Module:
+        """The model's modules with empty (meta) weights; buffers computed at build (rotary) are real."""
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            if self.path is not None:
+                from transformers import AutoConfig, AutoModelForCausalLM
+
+                return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.path))
+            return self.model_class(copy.deepcopy(self.config))
+
+    def load_shard(self, rank: int, world: int) -> torch.nn.Module:
+        """Rank ``rank``'s shard of ``world``, in eval mode."""
+        if self.path is not None:
+            model = _load_folder_shard(self.path, self.dtype, rank, world)
+        else:
+            model = self.skeleton()
+            shard = shard_model(model, rank, world)
+            _fill(model, shard.slices, self.tensors.get, self.model_class._tied_weights_keys, whole=True)
+            if self.generation_config is not None:
+                model.generation_config = copy.deepcopy(self.generation_config)
+        return model.eval()
+
+
+def _safetensors_files(folder: Path) -> dict[str, Path] | None:
+    """Tensor name -> its file, for a folder of safetensors (one file or an index); None otherwise."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), "pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    return None
+
+
+def _load_folder_shard(path: str, dtype: str, rank: int, world: int) -> torch.nn.Module:
+    from hf_paged.default_model import load_model, load_model_generation_config, parse_dtype
+
+    files = _safetensors_files(Path(path))
+    source = ModelSource(path=path, dtype=dtype)
+    model = source.skeleton() if files is not None else None
+    if model is not None:
+        shard = shard_model(model, rank, world)
+        names = [n for n, _ in model.named_parameters()]
+        tied = type(model)._tied_weights_keys or {}
+        if all(n in files or (n in tied and tied[n] in files) for n in names):
+            from safetensors import safe_open
+
+            handles: dict[Path, object] = {}
+
+            def read(name: str, part=None):
+                file = files.get(name)
+                if file is None:
+                    return None
+                if file not in handles:
+                    handles[file] = safe_open(str(file), "pt")
+                view = handles[file].get_slice(name)
+                if part is None:
+                    return view[:]
+                dim, start, stop = part
+                size = view.get_shape()[dim]
+                index = (slice(None),) * dim + (slice(min(start, size), min(stop, size)),)
+                return view[index]
+
+            _fill(model, shard.slices, read, tied, parse_dtype(dtype))
+            handles.clear()
+            model.generation_config = load_model_generation_config(Path(path))
+            return model
+        logger.info("%s: tensor names differ from the model's; loading it whole, then slicing", path)
+    model = load_model(path, dtype=dtype)[0]
+    shard_model(model, rank, world)
+    return model
+
+
+def _fill(model: torch.nn.Module, slices: dict, read, tied: dict | None, dtype: torch.dtype | None = None,
+          whole: bool = False) -> None:
+    """Give every empty parameter of a sharded skeleton its data. ``whole``: ``read(name)`` is the full tensor (a
+    model in memory; its buffers are taken too); else ``read(name, (dim, start, stop))`` reads just that part
+    (files). A kept part is a contiguous copy of its own; a replicated tensor of a model in memory is shared."""
+    tied = tied or {}
+    for name, param in list(model.named_parameters()):
+        if not param.is_meta:
+            continue
+        source = name if name not in tied or read(name) is not None else tied[name]
+        part = slices.get(name)
+        if part is None:
+            data = read(source)
+        elif whole:
+            full = read(source)
+            dim, start, stop = part
+            start, stop = min(start, full.shape[dim]), min(stop, full.shape[dim])
+            data = None if full is None else full.narrow(dim, start, stop - start).clone()
+        else:
+            data = read(source, part)
+        if data is None:
+            raise ValueError(f"{type(model).__name__}: no tensor for {name} in the source")
+        if data.shape != param.shape:  # the LM head's last rows past the vocabulary: zeros
+            data = torch.cat([data, data.new_zeros(param.shape[0] - data.shape[0], *data.shape[1:])])
+        if dtype is not None and data.dtype != dtype:
+            data = data.to(dtype)
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(data, requires_grad=False)
+    if whole:
+        for name, _ in list(model.named_buffers()):
+            data = read(name)
+            if data is not None:
+                owner, _, leaf = name.rpartition(".")
+                model.get_submodule(owner)._buffers[leaf] = data
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{type(model).__name__}: no tensor for {left[:3]} in the source")
