@@ -293,3 +293,20 @@ def test_workers_die_with_a_killed_rank_zero(tmp_path):
         assert not os.path.exists(f"/proc/{worker}"), "the worker outlived its rank 0"
     finally:
         proc.kill()
+
+
+def test_a_script_without_a_main_guard_fails_fast_with_the_reason(tmp_path):
+    """Spawned ranks import the user's script again; one that builds the engine at top level makes the worker
+    fail while starting: rank 0 reports that at once (not after the group's timeout)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""
+        from hf_paged import PagedGenerator
+        from tests.helpers import make_model
+        PagedGenerator(make_model("llama"), tensor_parallel_size=2, num_blocks=40, distributed_timeout=60)
+    """))
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()}, cwd=os.getcwd())
+    assert proc.returncode != 0
+    assert "before joining the group" in proc.stderr and "__main__" in proc.stderr
+    assert time.monotonic() - started < 45

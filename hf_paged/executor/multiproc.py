@@ -102,11 +102,26 @@ def build_rank(source: ModelSource, cfg: EngineConfig, rank: int, world: int) ->
     return executor
 
 
-def _init_group(rank: int, world: int, init_method: str, timeout_s: float, device: torch.device) -> None:
+def _init_group(rank: int, world: int, init_method: str, timeout_s: float, device: torch.device,
+                store=None, joined=None) -> None:
+    """``init_process_group`` (gloo on CPU, NCCL on CUDA). Spawned ranks meet at rank 0's TCP store: each says
+    it joined before the group forms, so rank 0 (``joined``: waits for them, watching the processes) fails
+    fast when one dies on the way instead of waiting out the timeout."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        if store is None and joined is not None:  # a spawned worker: join rank 0's store, say so
+            host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timeout)
+            store.set(f"hf_paged/joined/{rank}", "1")
+        elif joined is not None:
+            joined()
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    except TensorParallelError:
+        raise
     except Exception as e:  # noqa: BLE001
         raise TensorParallelError(f"rank {rank}: joining the process group at {init_method} failed: {type(e).__name__}: {e}") from e
 
@@ -123,7 +138,7 @@ def run_worker(source: ModelSource, cfg: EngineConfig, rank: int, world: int, in
     executor = None
     try:
         device = torch.device("cpu")
-        _init_group(rank, world, init_method, timeout_s, device)
+        _init_group(rank, world, init_method, timeout_s, device, joined=conn is not None)
         executor = build_rank(source, cfg, rank, world)
         if conn is not None:
             conn.send(("ready", rank))
@@ -244,7 +259,11 @@ class TensorParallelExecutor(Executor):
             init_method = f"tcp://{addr}:{os.environ.get('MASTER_PORT') or _free_port()}"
             self._spawn(source, cfg, init_method)
         try:
-            _init_group(0, world, init_method, self.timeout_s, torch.device("cpu"))
+            if self.processes:  # spawned here: host the store, watch the workers until they joined it
+                self._store = self._host_store(init_method)
+                _init_group(0, world, init_method, self.timeout_s, torch.device("cpu"), self._store, self._wait_joined)
+            else:
+                _init_group(0, world, init_method, self.timeout_s, torch.device("cpu"))
             self.inner = build_rank(source, cfg, 0, world)
             self._wait_ready()
         except BaseException as e:
@@ -288,6 +307,29 @@ class TensorParallelExecutor(Executor):
             child.close()
             self.processes.append(proc)
             self.conns.append(parent)
+
+    def _host_store(self, init_method: str):
+        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+        try:
+            return dist.TCPStore(host, int(port), self.world, is_master=True,
+                                 timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001 - the port is taken, the address is not ours
+            raise TensorParallelError(f"rank 0: cannot listen on {host}:{port}: {type(e).__name__}: {e}") from e
+
+    def _wait_joined(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        for rank, proc in enumerate(self.processes, start=1):
+            key = f"hf_paged/joined/{rank}"
+            while not self._store.check([key]):
+                if not proc.is_alive():
+                    raise TensorParallelError(
+                        f"rank {rank} exited (exit code {proc.exitcode}) before joining the group; its error is above. "
+                        "A script that builds a tensor-parallel engine must do it under if __name__ == '__main__': "
+                        "spawned ranks import the script again"
+                    )
+                if time.monotonic() > deadline:
+                    raise TensorParallelError(f"rank {rank} did not join the group within {self.timeout_s:.0f} s")
+                time.sleep(0.02)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -335,14 +377,14 @@ class TensorParallelExecutor(Executor):
             return self.inner.execute_model(out)
         except TensorParallelError:
             raise
-        except RuntimeError as e:
-            if "gloo" in str(e).lower() or "connection" in str(e).lower() or "nccl" in str(e).lower() or any(
-                not p.is_alive() for p in self.processes
-            ):
-                dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.processes, 1) if not p.is_alive()]
-                self._fail(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-                           + (f"; dead: {', '.join(dead)}" if dead else ""), e)
-            raise
+        except Exception as e:  # noqa: BLE001 - the ranks may be out of step now: the group cannot go on
+            # a peer's death shows as a broken connection first: give its process a moment to be seen dead
+            deadline = time.monotonic() + 2.0
+            while self.processes and all(p.is_alive() for p in self.processes) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.processes, 1) if not p.is_alive()]
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self._fail((f"{', '.join(dead)} died; " if dead else "") + f"a collective failed ({first[:160]})", e)
 
     def add_proposer(self, key: str, spec) -> None:
         if spec.self_draft_layers is not None:
