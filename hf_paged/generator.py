@@ -22,6 +22,7 @@ from hf_paged.executor import Executor
 from hf_paged.executor.multiproc import make_executor
 from hf_paged.executor.setup import check_speculative
 from hf_paged.generator_clients import GeneratorClients
+from hf_paged.generator_loading import from_pretrained
 from hf_paged.output_processor import OutputProcessor, RequestState
 from hf_paged.outputs import EngineStats, RequestOutput
 from hf_paged.sampling_params import SamplingParams
@@ -71,31 +72,7 @@ class PagedGenerator(GeneratorClients):
         self._weights_seen: int | None = None
         self._closed = False
 
-    @classmethod
-    def from_pretrained(cls, path: str, tokenizer=None, dtype: str | torch.dtype = "float32", **config: object):
-        """An engine over the causal LM in the local folder ``path``; ``tokenizer``: a tokenizer, None (the
-        folder's) or False (none: prompts are token ids).
-
-        With ``tensor_parallel_size=N`` > 1 every rank loads the folder itself and keeps its shard; under
-        ``torchrun`` the ranks other than 0 serve as workers here until rank 0 closes its engine, then exit
-        (``SystemExit(0)``): code after this call runs on rank 0 only.
-        """
-        from hf_paged.default_model import load_model
-        from hf_paged.executor.multiproc import ModelSource, worker_entry
-
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        elif tokenizer is False:
-            tokenizer = None
-        tp = config.get("tensor_parallel_size", 1)
-        if tp == 1:
-            return cls(load_model(path, dtype=dtype)[0], tokenizer, **config)
-        source = ModelSource(path=str(path), dtype=str(dtype).removeprefix("torch."))
-        if worker_entry(source, EngineConfig.from_kwargs(**config)):
-            raise SystemExit(0)
-        return cls(source, tokenizer, **config)
+    from_pretrained = classmethod(from_pretrained)  # an engine over a local model folder (all ranks under TP)
 
     def _build(self, model: torch.nn.Module, tokenizer, cfg: EngineConfig) -> None:
         """The engine's own parts (over the executor): block manager, scheduler, outputs."""
@@ -394,27 +371,7 @@ class PagedGenerator(GeneratorClients):
     def stats(self) -> EngineStats:
         """A snapshot of queues, KV usage, prefix-cache and preemption counters."""
         with self._lock:
-            kv, sched = self.kv_manager, self.scheduler
-            return EngineStats(
-                num_running=len(sched.running),
-                num_waiting=len(sched.waiting),
-                num_swapped=len(sched.swapped),
-                num_kv_blocks=kv.num_blocks,
-                num_kv_blocks_used=kv.num_used_blocks,
-                num_kv_blocks_cached=kv.num_cached_free_blocks,
-                kv_usage=kv.pool.usage,
-                prefix_cache_queries=kv.prefix_queries,
-                prefix_cache_hits=kv.prefix_hits,
-                num_preemptions=dict(sched.num_preemptions),
-                num_prompt_tokens=sched.num_prompt_tokens,
-                num_generated_tokens=sched.num_generated_tokens,
-                num_requests_finished=self.outputs.num_finished,
-                num_steps=self.num_steps,
-                spec_num_drafts=sched.spec_num_drafts,
-                spec_num_draft_tokens=sched.spec_num_draft_tokens,
-                spec_num_accepted_tokens=sched.spec_num_accepted_tokens,
-                spec_accepted_per_position=list(sched.spec_accepted_per_position),
-            )
+            return EngineStats.collect(self.scheduler, self.kv_manager, self.outputs.num_finished, self.num_steps)
 
     def _check_usable(self) -> None:
         if self._closed:

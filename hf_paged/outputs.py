@@ -127,6 +127,30 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
 
+    @classmethod
+    def collect(cls, sched, kv, num_finished: int, num_steps: int) -> EngineStats:
+        """The counters of a scheduler and its KV cache manager, now."""
+        return cls(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            num_kv_blocks=kv.num_blocks,
+            num_kv_blocks_used=kv.num_used_blocks,
+            num_kv_blocks_cached=kv.num_cached_free_blocks,
+            kv_usage=kv.pool.usage,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            num_preemptions=dict(sched.num_preemptions),
+            num_prompt_tokens=sched.num_prompt_tokens,
+            num_generated_tokens=sched.num_generated_tokens,
+            num_requests_finished=num_finished,
+            num_steps=num_steps,
+            spec_num_drafts=sched.spec_num_drafts,
+            spec_num_draft_tokens=sched.spec_num_draft_tokens,
+            spec_num_accepted_tokens=sched.spec_num_accepted_tokens,
+            spec_accepted_per_position=list(sched.spec_accepted_per_position),
+        )
+
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -310,3 +310,17 @@ def test_a_script_without_a_main_guard_fails_fast_with_the_reason(tmp_path):
     assert proc.returncode != 0
     assert "before joining the group" in proc.stderr and "__main__" in proc.stderr
     assert time.monotonic() - started < 45
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_nccl_on_two_gpus(tmp_path):
+    model = make_model("llama")
+    model.save_pretrained(tmp_path)
+    prompts = make_prompts(3, [5, 30, 60], seed=2)
+    want = [stock_greedy(model, p, NEW) for p in prompts]
+    engine = PagedGenerator.from_pretrained(str(tmp_path), tokenizer=False, device="cuda", tensor_parallel_size=2,
+                                            num_blocks=40)
+    assert engine.pool.device.type == "cuda"
+    assert _tokens(engine.generate(prompts, GREEDY, use_tqdm=False)) == want
+    engine.close()

@@ -18,6 +18,7 @@ from hf_paged.default_model import load_default, parse_dtype
 ENGINE = "hf_paged"
 EAGER = "eager"  # --systems name of the engine run with enforce_eager=True (chat, latency)
 QUANTIZED = ("gguf_q4_1", "int8", "int4")  # --systems names of the engine on quantized weights (latency)
+TP2 = "tp2"  # --systems name of the engine with tensor_parallel_size=2 (chat)
 
 
 def run_engine(model, prompts, params, engine_kw: dict, track_kv: bool = False) -> tuple[SystemResult, list[list[int]], dict]:
@@ -58,6 +59,13 @@ def run_engine(model, prompts, params, engine_kw: dict, track_kv: bool = False) 
             "peak_live_kv": round(peak_used_blocks * engine.pool.bytes_per_block / mib, 1),
             "peak_rss_growth": round((rss_peak - rss_start) / mib, 1),
         }
+    if engine.config.tensor_parallel_size > 1:
+        from hf_paged.executor.tensor_parallel import COMM
+
+        stats["comm"] = {"broadcast_ms_per_step": round(1e3 * engine.executor.comm_seconds / engine.num_steps, 2),
+                         "collective_ms_per_step": round(1e3 * COMM.seconds / engine.num_steps, 2),
+                         "collective_kib_per_step": round(COMM.bytes / 1024 / engine.num_steps, 1),
+                         "collectives_per_step": round(COMM.calls / engine.num_steps, 1)}
     engine.close()
     outputs = [done[i] for i in ids]
     return SystemResult(ENGINE, sum(len(o) for o in outputs), seconds, {"steps": stats["steps"]}), outputs, stats
@@ -95,10 +103,23 @@ def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, 
     params = SamplingParams(max_tokens=128, temperature=0.0)
     if EAGER in want:
         results.append(_eager_run(model, prompts, params, dict(max_num_seqs=len(prompts)), repeat))
+    extra = {"requests": len(prompts), "model": "SmolLM2-135M-Instruct"}
+    if TP2 in want:  # the engine sharded over 2 processes (they share this machine's cores)
+        from hf_paged.executor.tensor_parallel import COMM
+
+        tp_runs = []
+        for _ in range(max(1, repeat)):
+            COMM.seconds, COMM.bytes, COMM.calls = 0.0, 0, 0
+            tp_runs.append(run_engine(model, prompts, params, dict(max_num_seqs=len(prompts), tensor_parallel_size=2)))
+        tp_res, tp_outputs, tp_stats = min(tp_runs, key=lambda r: r[0].seconds)
+        tp_res.system = f"{ENGINE}, tensor_parallel_size=2"
+        results.append(tp_res)
+        extra["tp2_comm_(last_run)"] = tp_stats["comm"]
     runs = [run_engine(model, prompts, params, dict(max_num_seqs=len(prompts))) for _ in range(max(1, repeat))]
     res, outputs, _ = min(runs, key=lambda r: r[0].seconds)
     results.append(res)
-    extra = {"requests": len(prompts), "model": "SmolLM2-135M-Instruct"}
+    if TP2 in want:
+        extra["tp2_same_tokens_as_one_process"] = f"{sum(a == b for a, b in zip(outputs, tp_outputs))}/{len(prompts)}"
     if hf_outputs is not None:
         # Greedy outputs of a padded batch and of the engine should agree (fp32: exactly, in practice).
         extra["same_tokens_as_hf_generate"] = f"{sum(a == b for a, b in zip(outputs, hf_outputs))}/{len(prompts)}"

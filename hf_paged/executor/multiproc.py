@@ -108,6 +108,8 @@ def _init_group(rank: int, world: int, init_method: str, timeout_s: float, devic
     it joined before the group forms, so rank 0 (``joined``: waits for them, watching the processes) fails
     fast when one dies on the way instead of waiting out the timeout."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL collectives (and object broadcasts) run on the rank's own GPU
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         if store is None and joined is not None:  # a spawned worker: join rank 0's store, say so
@@ -137,8 +139,8 @@ def run_worker(source: ModelSource, cfg: EngineConfig, rank: int, world: int, in
     it broadcasts None (close) or a collective fails (rank 0 gone)."""
     executor = None
     try:
-        device = torch.device("cpu")
-        _init_group(rank, world, init_method, timeout_s, device, joined=conn is not None)
+        device = source.rank_device(rank)
+        _init_group(rank, world, init_method, timeout_s, device, joined=True if conn is not None else None)
         executor = build_rank(source, cfg, rank, world)
         if conn is not None:
             conn.send(("ready", rank))
@@ -261,9 +263,9 @@ class TensorParallelExecutor(Executor):
         try:
             if self.processes:  # spawned here: host the store, watch the workers until they joined it
                 self._store = self._host_store(init_method)
-                _init_group(0, world, init_method, self.timeout_s, torch.device("cpu"), self._store, self._wait_joined)
+                _init_group(0, world, init_method, self.timeout_s, source.rank_device(0), self._store, self._wait_joined)
             else:
-                _init_group(0, world, init_method, self.timeout_s, torch.device("cpu"))
+                _init_group(0, world, init_method, self.timeout_s, source.rank_device(0))
             self.inner = build_rank(source, cfg, 0, world)
             self._wait_ready()
         except BaseException as e:

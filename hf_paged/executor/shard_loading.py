@@ -35,6 +35,7 @@ class ModelSource:
     config: object = None
     generation_config: object = None
     tensors: dict[str, torch.Tensor] | None = None
+    device: str = "cpu"  # "cuda": rank r runs on GPU LOCAL_RANK (torchrun) or r (spawned), with NCCL
 
     @classmethod
     def of(cls, model) -> ModelSource:
@@ -62,8 +63,13 @@ class ModelSource:
                 return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.path))
             return self.model_class(copy.deepcopy(self.config))
 
+    def rank_device(self, rank: int) -> torch.device:
+        if self.device == "cpu":
+            return torch.device("cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+
     def load_shard(self, rank: int, world: int) -> torch.nn.Module:
-        """Rank ``rank``'s shard of ``world``, in eval mode."""
+        """Rank ``rank``'s shard of ``world``, in eval mode, on its device."""
         if self.path is not None:
             model = _load_folder_shard(self.path, self.dtype, rank, world)
         else:
@@ -72,7 +78,7 @@ class ModelSource:
             _fill(model, shard.slices, self.tensors.get, self.model_class._tied_weights_keys, whole=True)
             if self.generation_config is not None:
                 model.generation_config = copy.deepcopy(self.generation_config)
-        return model.eval()
+        return model.to(self.rank_device(rank)).eval()
 
 
 def _safetensors_files(folder: Path) -> dict[str, Path] | None:

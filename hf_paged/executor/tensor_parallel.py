@@ -19,6 +19,7 @@ Each rank's attention modules see only their heads, so the KV pool a rank builds
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,24 @@ SUPPORTED_STYLES = ("colwise", "rowwise")
 REPLICATED_STYLES = ("replicated_with_grad_allreduce",)  # e.g. q_norm/k_norm: the same on every rank
 HEAD_ATTRS = ("num_heads", "num_attention_heads")
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads")
+
+
+@dataclass
+class CommStats:
+    """This process's time and bytes in the forward's collectives (all-reduces and the LM head's gather),
+    including any wait for a slower rank: ``hf-paged bench chat --systems tp2`` reports it per step."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+    calls: int = 0
+
+    def add(self, started: float, tensor: torch.Tensor) -> None:
+        self.seconds += time.perf_counter() - started
+        self.bytes += tensor.numel() * tensor.element_size()
+        self.calls += 1
+
+
+COMM = CommStats()
 
 
 @dataclass
@@ -134,7 +153,9 @@ def _slice_param(module: torch.nn.Module, name: str, dim: int, start: int, stop:
 
 
 def _all_reduce_hook(module, args, output):
+    started = time.perf_counter()
     dist.all_reduce(output)
+    COMM.add(started, output)
     return output
 
 
@@ -163,11 +184,14 @@ class VocabShardedHead(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = F.linear(hidden, self.weight, self.bias).contiguous()
+        started = time.perf_counter()
         if self.rank == 0:
             parts = [torch.empty_like(local) for _ in range(self.world)]
             dist.gather(local, parts, dst=0)
+            COMM.add(started, local)
             return torch.cat(parts, dim=-1)[..., : self.out_features]
         dist.gather(local, None, dst=0)
+        COMM.add(started, local)
         return local
 
 
