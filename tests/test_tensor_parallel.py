@@ -63,9 +63,11 @@ def test_greedy_parity_with_stock_generate_and_one_process(arch):
     want = [stock_greedy(model, p, NEW) for p in prompts]
     single = PagedGenerator(model, num_blocks=80, max_num_batched_tokens=32)
     assert _tokens(single.generate(prompts, GREEDY, use_tqdm=False)) == want
+    fused = single.fused is not None
     single.close()
     engine = PagedGenerator(model, tensor_parallel_size=2, num_blocks=80, max_num_batched_tokens=32)
     assert engine.pool.specs[0].num_kv_heads == 1  # each rank holds its own KV head
+    assert (engine.fused is not None) == fused  # the fused CPU layers run o/down as modules: the all-reduce hooks run
     assert _tokens(engine.generate(prompts, GREEDY, use_tqdm=False)) == want
     engine.kv_manager.check_consistency()
     assert engine.kv_manager.num_used_blocks == 0

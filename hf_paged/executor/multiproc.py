@@ -50,17 +50,16 @@ class TensorParallelError(RuntimeError):
 
 
 def worker_config(cfg: EngineConfig) -> EngineConfig:
-    """The execution settings every rank runs: the eager HF forward (the fused layers and the native decode
-    program call C kernels on whole weights and have no all-reduce), no speculative proposer (rank 0's)."""
-    return dataclasses.replace(cfg, fuse_layers=False, enforce_eager=True, decode_runner="auto", speculative_config=None,
+    """The execution settings every rank runs: steps on the layers' forwards (the fused CPU layers too: they call
+    o_proj and down_proj as modules, so the all-reduce hooks run), never the native decode program or decode
+    buckets (they replay kernels without the hooks); no speculative proposer (rank 0's)."""
+    return dataclasses.replace(cfg, enforce_eager=True, decode_runner="auto", speculative_config=None,
                                tensor_parallel_size=1)
 
 
 def check_config(cfg: EngineConfig) -> None:
     if cfg.quantization is not None:
         raise ValueError(f"quantization={cfg.quantization!r} is not supported with tensor_parallel_size > 1 yet")
-    if cfg.fuse_layers:
-        raise ValueError("fuse_layers=True cannot be used with tensor_parallel_size > 1 (the fused layers have no all-reduce)")
     if cfg.decode_runner not in ("auto", "eager"):
         raise ValueError(f"decode_runner={cfg.decode_runner!r} cannot be used with tensor_parallel_size > 1 (steps run eagerly)")
     spec = cfg.speculative_config
@@ -277,7 +276,7 @@ class TensorParallelExecutor(Executor):
         self.runner = self.inner.runner
         self.pool = self.inner.pool
         self.backend = self.inner.backend
-        self.packed, self.fused, self.quantized = self.inner.packed, None, None
+        self.packed, self.fused, self.quantized = self.inner.packed, self.inner.fused, None
         self.max_model_len = self.inner.max_model_len
         self.num_blocks = self.inner.num_blocks
         self.num_host_blocks = self.inner.num_host_blocks
