@@ -210,8 +210,8 @@ def test_bad_configurations_are_refused_before_any_process_starts():
 def test_start_up_errors_name_the_rank_and_the_cause(monkeypatch):
     model = make_model("llama")
     # a shard that does not fit: every rank's pool is too small for max_model_len
-    with pytest.raises(TensorParallelError, match=r"rank 0: building its KV pool failed: ValueError: max_model_len=900.*"
-                                                  r"rank 1: building its KV pool failed"):
+    with pytest.raises(TensorParallelError, match=r"rank 0: building its executor \(KV pool, kernels\) failed: "
+                                                  r"ValueError: max_model_len=900.*rank 1: building its executor"):
         PagedGenerator(model, tensor_parallel_size=2, num_blocks=4, block_size=16, max_model_len=900)
     # the rendezvous port is taken
     with socket.socket() as taken:

@@ -96,27 +96,28 @@ def build_rank(source: ModelSource, cfg: EngineConfig, rank: int, world: int) ->
     try:
         executor = UniProcExecutor(model, worker_config(cfg), agree=_agree_min)
     except Exception as e:  # noqa: BLE001
-        error = f"building its KV pool failed: {type(e).__name__}: {e}"
+        error = f"building its executor (KV pool, kernels) failed: {type(e).__name__}: {e}"
     _exchange_status(error)
     return executor
 
 
 def _init_group(rank: int, world: int, init_method: str, timeout_s: float, device: torch.device,
-                store=None, joined=None) -> None:
-    """``init_process_group`` (gloo on CPU, NCCL on CUDA). Spawned ranks meet at rank 0's TCP store: each says
-    it joined before the group forms, so rank 0 (``joined``: waits for them, watching the processes) fails
-    fast when one dies on the way instead of waiting out the timeout."""
+                store=None, wait_joined=None, announce: bool = False) -> None:
+    """``init_process_group`` (gloo on CPU, NCCL on CUDA). Ranks the engine spawned meet at rank 0's TCP store
+    (``store``) and each says it joined (``announce``) before the group forms, so rank 0 (``wait_joined``:
+    waits for them, watching the processes) fails fast when one dies on the way instead of waiting out the
+    timeout. Under torchrun every rank goes through ``init_method``."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL collectives (and object broadcasts) run on the rank's own GPU
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        if store is None and joined is not None:  # a spawned worker: join rank 0's store, say so
+        if announce:  # a spawned worker: join rank 0's store, say so
             host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
             store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timeout)
             store.set(f"hf_paged/joined/{rank}", "1")
-        elif joined is not None:
-            joined()
+        if wait_joined is not None:
+            wait_joined()
         if store is not None:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         else:
@@ -139,7 +140,7 @@ def run_worker(source: ModelSource, cfg: EngineConfig, rank: int, world: int, in
     executor = None
     try:
         device = source.rank_device(rank)
-        _init_group(rank, world, init_method, timeout_s, device, joined=True if conn is not None else None)
+        _init_group(rank, world, init_method, timeout_s, device, announce=conn is not None)
         executor = build_rank(source, cfg, rank, world)
         if conn is not None:
             conn.send(("ready", rank))
