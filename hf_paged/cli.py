@@ -168,8 +168,15 @@ def _engine_loop(args, max_num_seqs: int):
 
 
 def cmd_serve(args) -> int:
+    from hf_paged import cli_replicas
+
+    replicas = cli_replicas.wants_replicas(args)
+    if replicas:
+        cli_replicas.check_replica_args(args)
     check_model_folder(args.model)
     check_port(args.host, args.port)
+    if replicas:
+        return cli_replicas.cmd_serve_replicas(args, args.served_model_name or _served_name(args.model))
     _require_serve_extra("fastapi", "uvicorn", "prometheus_client")
     from hf_paged.serving.protocol import ServedModel
     from hf_paged.serving.server import build_app, run_server
@@ -343,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=_positive_int, help="longest prompt + answer (default: the model's)")
     serve.add_argument("--request-workers", type=_positive_int, default=2,
                        help="threads that parse, chat-template and tokenize request bodies off the event loop")
+    from hf_paged.cli_replicas import add_replica_args
+
+    add_replica_args(serve, _positive_int)
     serve.set_defaults(func=cmd_serve)
 
     chat = sub.add_parser("chat", help="Gradio chat demo with a live engine panel, local only "
