@@ -331,11 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a standard workload against its baselines (docs/benchmarks.md)",
                            formatter_class=fmt)
     bench.add_argument("workload", choices=["chat", "mixed", "latency", "prefix", "spec", "serve", "host", "arrival",
-                                            "structured"])
+                                            "structured", "replicas"])
     bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights and KV cache dtype")
     bench.add_argument("--repeat", type=_positive_int, default=1, help="runs per system; the fastest counts")
     bench.add_argument("--systems", help="comma-separated subset, e.g. padded,hf_paged; chat and latency also take "
-                       "eager (hf_paged with enforce_eager=True, for A/B runs); latency also gguf_q4_1, int8, int4 (quantized weights)")
+                       "eager (hf_paged with enforce_eager=True, for A/B runs); latency also gguf_q4_1, int8, int4 "
+                       "(quantized weights); replicas: pow2,prefix (routings)")
     bench.add_argument("--clients", help="serve: concurrent HTTP clients per level (default 1,16,64)")
     bench.add_argument("--requests", type=_positive_int, help="serve: requests per level (default max(N, 16), "
                        "at most the 64 chat prompts)")

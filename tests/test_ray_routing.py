@@ -135,3 +135,10 @@ def test_builder_refuses_bad_arguments():
         build_application(spec, 2, routing="random")
     with pytest.raises(ValueError, match="target_ongoing_requests"):
         build_application(spec, 2, autoscaling_config={"target_ongoing_requests": -1})
+    with pytest.raises(ValueError, match=r"unknown autoscaling config keys \['max_replica'\]"):
+        build_application(spec, 2, autoscaling_config={"max_replica": 4})
+    # the initial count is --data-parallel-size within the config's bounds; a config Ray refuses is refused here
+    build_application(spec, 1, autoscaling_config={"min_replicas": 2, "max_replicas": 4})
+    build_application(spec, 8, autoscaling_config={"min_replicas": 1, "max_replicas": 4})
+    with pytest.raises(ValueError, match="initial_replicas"):
+        build_application(spec, 1, autoscaling_config={"min_replicas": 1, "max_replicas": 4, "initial_replicas": 9})

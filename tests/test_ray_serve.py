@@ -120,8 +120,9 @@ def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_cache(url):
     before = httpx.get(url + "/metrics", timeout=30).text
     served = []
     for i in range(1, 7):
-        r = post(url, "/v1/chat/completions", {"messages": [{"role": "system", "content": system},
-                                                            {"role": "user", "content": f"Hello {i}"}], "max_tokens": 4})
+        r = post(url, "/v1/chat/completions", {
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Hello {i}"}],
+            "max_tokens": 4})
         assert r.status_code == 200
         served.append(r.headers[REPLICA_HEADER])
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96

@@ -140,12 +140,14 @@ class EngineReplica:
                 logger.debug("metrics report failed", exc_info=True)
 
     def __del__(self) -> None:  # Ray Serve calls it when the replica is shut down
-        self._stop.set()
-        try:
-            self._ingress.report.remote(self.replica_id, None)
-        except Exception:  # noqa: BLE001 - shutting down anyway
-            pass
-        self.loop.shutdown()
+        if hasattr(self, "_reporter"):  # (not when __init__ failed halfway)
+            self._stop.set()
+            try:
+                self._ingress.report.remote(self.replica_id, None)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+        if hasattr(self, "loop"):
+            self.loop.shutdown()
 
 
 def _replica_gone_errors() -> tuple[type[BaseException], ...]:
@@ -211,6 +213,9 @@ class Ingress:
                 if not head.is_stream:  # a whole body: nothing reached the client yet, so a retry is safe
                     body = b"".join([chunk async for chunk in stream])
                     return Response(body, status_code=head.status, headers=_headers(head))
+            except asyncio.CancelledError:  # the client went away: stop the replica's work
+                stream.cancel()
+                raise
             except gone as e:
                 if attempt == 1:
                     logger.warning("the replica of %s %s died before answering; retrying once: %s",

@@ -29,6 +29,10 @@ def check_autoscaling_config(config: object) -> dict:
 
     if not isinstance(config, dict):
         raise ValueError(f"the autoscaling config must be a JSON object, got {config!r}")
+    unknown = sorted(set(config) - set(AutoscalingConfig.model_fields))
+    if unknown:
+        raise ValueError(f"unknown autoscaling config keys {unknown}; Ray Serve's are "
+                         f"{sorted(AutoscalingConfig.model_fields)}")
     try:
         AutoscalingConfig(**config)
     except Exception as e:  # pydantic's ValidationError, or a TypeError from an unknown key
@@ -88,8 +92,11 @@ def build_application(
         "graceful_shutdown_timeout_s": 10.0, "logging_config": _QUIET,
     }
     if autoscaling_config is not None:
-        options["autoscaling_config"] = {"initial_replicas": num_replicas,
-                                         **check_autoscaling_config(autoscaling_config)}
+        config = check_autoscaling_config(autoscaling_config)
+        if "initial_replicas" not in config:  # num_replicas, within the config's bounds
+            low, high = config.get("min_replicas", 1), config.get("max_replicas", num_replicas)
+            config["initial_replicas"] = min(max(num_replicas, low), max(low, high))
+        options["autoscaling_config"] = check_autoscaling_config(config)
     else:
         options["num_replicas"] = num_replicas
     if routing == "prefix":
