@@ -22,9 +22,6 @@ from hf_paged.serving.ray_app import REPLICA_HEADER, EngineSpec
 from hf_paged.serving.replicas import APP_NAME, build_application, wait_until_running
 from tests.serving_helpers import TINY_NAME, tiny_chat_loader, wait_until
 
-SYSTEM = ("You are hf_paged's test assistant. Answer in one short sentence, never more, and do not ask questions "
-          "back. ") * 3
-
 
 @pytest.fixture(scope="module")
 def url():
@@ -51,10 +48,6 @@ def engine():
     return PagedGenerator(model, tokenizer, max_num_seqs=16), tokenizer
 
 
-def messages(question: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-
-
 def post(url: str, path: str, body: dict, timeout: float = 120) -> httpx.Response:
     return httpx.post(url + path, json={"model": TINY_NAME, **body}, timeout=timeout)
 
@@ -74,22 +67,23 @@ def engine_replicas() -> set[str]:
 def test_two_replicas_answer_16_concurrent_requests_as_one_engine(url, engine):
     generator, tokenizer = engine
     questions = [f"Question {i}: what is {i} + {i}?" for i in range(16)]
+    chats = [[{"role": "user", "content": q}] for q in questions]  # 16 prefixes: both replicas get some
     params = SamplingParams(max_tokens=24, temperature=0.0)
-    want = [o.text for o in generator.generate([apply_chat_template(tokenizer, messages(q)) for q in questions],
-                                               params, use_tqdm=False)]
+    want = [o.text for o in generator.generate([apply_chat_template(tokenizer, c) for c in chats], params,
+                                               use_tqdm=False)]
 
-    def ask(q: str) -> httpx.Response:
-        return post(url, "/v1/chat/completions", {"messages": messages(q), "max_tokens": 24, "temperature": 0})
+    def ask(chat: list[dict]) -> httpx.Response:
+        return post(url, "/v1/chat/completions", {"messages": chat, "max_tokens": 24, "temperature": 0})
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        responses = list(pool.map(ask, questions))
+        responses = list(pool.map(ask, chats))
     assert [r.status_code for r in responses] == [200] * 16
     assert [r.json()["choices"][0]["message"]["content"] for r in responses] == want
-    assert {r.headers[REPLICA_HEADER] for r in responses} == engine_replicas()  # both replicas served
+    assert {r.headers[REPLICA_HEADER] for r in responses} == engine_replicas()  # both served (one: 2 in 2**16)
 
     # streaming through the ingress: the same text, OpenAI's events, the replica named in a header
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
-            "model": TINY_NAME, "messages": messages(questions[3]), "max_tokens": 24, "temperature": 0,
+            "model": TINY_NAME, "messages": chats[3], "max_tokens": 24, "temperature": 0,
             "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
@@ -99,7 +93,7 @@ def test_two_replicas_answer_16_concurrent_requests_as_one_engine(url, engine):
 
 
 def test_errors_and_other_routes_pass_through(url):
-    r = post(url, "/v1/chat/completions", {"model": "no-such-model", "messages": messages("hi")})
+    r = post(url, "/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     r = httpx.post(url + "/v1/completions", content=b"{not json", timeout=60)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]

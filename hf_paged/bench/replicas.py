@@ -3,7 +3,7 @@ instance, prefix-aware routing against Ray Serve's default power-of-two choices.
 
 ``conversations`` closed-loop clients each hold one conversation of ``turns`` user turns (questions of
 examples/data/chat_prompts.jsonl), starting 0.25 s apart; conversation i opens with system prompt
-``i % system_prompts`` (60-70 tokens each) and every turn resends the whole history with the previous answers, as chat clients do. Answers are
+``i % system_prompts`` (60-70 tokens each), 1 s between a conversation's turns and every turn resends the whole history with the previous answers, as chat clients do. Answers are
 greedy (``max_tokens`` each), so both routings generate the same tokens. Reported per routing: the prefix-cache
 hit rate over all replicas (hits / queried prompt tokens, from ``/metrics``'s ``replica="total"`` lines),
 generated tokens per second, how many requests each replica served, and the moves: turns answered by another
@@ -33,6 +33,9 @@ SYSTEM_PROMPTS = [
 ]
 ROUTINGS = ("pow2", "prefix")
 ARRIVAL_GAP_S = 0.25  # between two conversations' first turns
+# Between a conversation's turns. Without it a closed-loop client's next turn finds its last replica one request
+# lighter (its own just finished) and power-of-two choices keeps it there: measured 2-8 of 80 turns moved.
+THINK_S = 1.0
 
 
 def _free_port() -> int:
@@ -71,7 +74,9 @@ async def _run_clients(url: str, model: str, conversations, max_tokens: int) -> 
         await asyncio.sleep(ARRIVAL_GAP_S * index)
         history = [{"role": "system", "content": system}]
         previous = None
-        for q in questions:
+        for turn, q in enumerate(questions):
+            if turn:  # the user reads the answer and types the next question
+                await asyncio.sleep(THINK_S)
             history.append({"role": "user", "content": q})
             r = await http.post(url + "/v1/chat/completions", json={
                 "model": model, "messages": history, "max_tokens": max_tokens, "temperature": 0})
