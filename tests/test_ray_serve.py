@@ -104,6 +104,23 @@ def test_errors_and_other_routes_pass_through(url):
     assert httpx.get(url + "/nowhere", timeout=60).status_code == 404
 
 
+def test_a_client_that_leaves_mid_stream_aborts_its_request(url):
+    def aborted() -> float:
+        for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+            if (line.startswith("hf_paged:request_success_total{") and 'finished_reason="abort"' in line
+                    and 'replica="total"' in line):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = aborted()
+    with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+            "model": TINY_NAME, "prompt": "Talk for a long time:", "max_tokens": 900, "ignore_eos": True,
+            "stream": True}) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    # the ingress cancels the replica's call, the replica's app sees the disconnect and aborts the request
+    wait_until(lambda: aborted() == before + 1, timeout=20, what="the abandoned stream's abort in /metrics")
+
+
 def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_cache(url):
     system = "You are the prefix routing test. " * 16  # ~130 tokens: seven whole KV blocks shared
     first = post(url, "/v1/chat/completions", {"messages": [{"role": "system", "content": system},
