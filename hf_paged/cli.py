@@ -185,8 +185,15 @@ def _engine_loop(args, max_num_seqs: int):
 
 
 def cmd_serve(args) -> int:
+    from hf_paged import cli_replicas
+
+    replicas = cli_replicas.wants_replicas(args)
+    if replicas:
+        cli_replicas.check_replica_args(args)
     check_model_folder(args.model)
     check_port(args.host, args.port)
+    if replicas:
+        return cli_replicas.cmd_serve_replicas(args, args.served_model_name or _served_name(args.model))
     _require_serve_extra("fastapi", "uvicorn", "prometheus_client")
     from hf_paged.serving.protocol import ServedModel
     from hf_paged.serving.server import build_app, run_server
@@ -347,12 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a standard workload against its baselines (docs/benchmarks.md)",
                            formatter_class=fmt)
     bench.add_argument("workload", choices=["chat", "mixed", "latency", "prefix", "spec", "serve", "host", "arrival",
-                                            "structured"])
+                                            "structured", "replicas"])
     bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights and KV cache dtype")
     bench.add_argument("--repeat", type=_positive_int, default=1, help="runs per system; the fastest counts")
     bench.add_argument("--systems", help="comma-separated subset, e.g. padded,hf_paged; chat and latency also take "
-                       "eager (hf_paged with enforce_eager=True, for A/B runs); latency also gguf_q4_1, int8, int4 (quantized weights); "
-                       "chat also tp2 (tensor_parallel_size=2)")
+                       "eager (hf_paged with enforce_eager=True, for A/B runs); latency also gguf_q4_1, int8, int4 "
+                       "(quantized weights); chat also tp2 (tensor_parallel_size=2); replicas: pow2,prefix (routings)")
     bench.add_argument("--clients", help="serve: concurrent HTTP clients per level (default 1,16,64)")
     bench.add_argument("--requests", type=_positive_int, help="serve: requests per level (default max(N, 16), "
                        "at most the 64 chat prompts)")
@@ -367,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=_positive_int, help="longest prompt + answer (default: the model's)")
     serve.add_argument("--request-workers", type=_positive_int, default=2,
                        help="threads that parse, chat-template and tokenize request bodies off the event loop")
+    from hf_paged.cli_replicas import add_replica_args
+
+    add_replica_args(serve, _positive_int)
     serve.set_defaults(func=cmd_serve)
 
     chat = sub.add_parser("chat", help="Gradio chat demo with a live engine panel, local only "

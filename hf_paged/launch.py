@@ -3,7 +3,7 @@
 OpenMP reads its binding settings and the dynamic loader reads ``LD_PRELOAD`` once, when the process starts, so
 the launcher computes a tuned environment and re-executes itself once with it:
 
-- threads (offline commands only: ``batch``, ``generate``, ``bench`` but not ``bench serve``, ``env``; see
+- threads (offline commands only: ``batch``, ``generate``, ``bench`` but not ``bench serve`` or ``bench replicas``, ``env``; see
   ``BINDING_COMMANDS``): ``OMP_NUM_THREADS`` = the physical cores this process may run on, ``OMP_PLACES`` = one
   logical CPU of each of those cores (never two SMT siblings), ``OMP_PROC_BIND=close``: one bound OpenMP thread
   per core;
@@ -105,7 +105,8 @@ def tuned_environment(environ: dict[str, str], *, bind: bool = True, allocator: 
 
 # Commands that bind threads. Binding pins the process's main thread to the first core too, and every thread and
 # child process it starts inherits that: a server thread would share the engine's first core, and `bench serve`'s
-# server child would get one core (measured: HTTP throughput at 64 clients fell from 185 to 110 tok/s).
+# server child would get one core (measured: HTTP throughput at 64 clients fell from 185 to 110 tok/s); `bench
+# replicas`' Ray workers would inherit the binding too.
 BINDING_COMMANDS = ("batch", "generate", "bench", "env")
 
 
@@ -114,7 +115,7 @@ def binds_threads(argv: list[str]) -> bool:
     words = [a for a in argv if not a.startswith("-")]
     if not words or words[0] not in BINDING_COMMANDS:
         return False
-    return not (words[0] == "bench" and "serve" in words[1:2])
+    return not (words[0] == "bench" and words[1:2] in (["serve"], ["replicas"]))
 
 
 def enabled(environ: dict[str, str]) -> bool:

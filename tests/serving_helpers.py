@@ -63,3 +63,9 @@ def scrape(url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
             out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return out
+
+
+def tiny_chat_loader():
+    """``(tiny_chat_model, default tokenizer)``: what each Ray Serve engine replica of the tests loads."""
+    tokenizer = default_tokenizer()
+    return tiny_chat_model(tokenizer), tokenizer

@@ -72,6 +72,7 @@ def test_only_offline_commands_bind_threads():
     assert launch.binds_threads(["generate", "serve me"])  # a prompt, not the serve command
     assert not launch.binds_threads(["serve", "--port", "8000"]) and not launch.binds_threads(["chat"])
     assert not launch.binds_threads(["bench", "serve", "--clients", "64"]) and not launch.binds_threads([])
+    assert not launch.binds_threads(["bench", "replicas"])  # Ray's replica workers would inherit the binding
 
 
 def test_reexec_only_once_and_never_after_torch():

@@ -298,6 +298,12 @@ def _structured(**kw):
     return structured(**kw)
 
 
+def _replicas(**kw):
+    from hf_paged.bench.replicas import replicas
+
+    return replicas(**kw)
+
+
 def _host(**kw):
     from hf_paged.bench.host import host
 
@@ -306,5 +312,5 @@ def _host(**kw):
 
 WORKLOADS = {
     "chat": chat, "mixed": mixed, "latency": latency, "prefix": prefix, "spec": _spec, "serve": serve, "host": _host,
-    "arrival": _arrival, "structured": _structured,
+    "arrival": _arrival, "structured": _structured, "replicas": _replicas,
 }

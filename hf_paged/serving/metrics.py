@@ -134,6 +134,15 @@ class ServingMetrics:
         self._num_waiting = self.engine.num_waiting
         return _require().generate_latest(self.registry)
 
+    def render_blocking(self, timeout: float = 30.0) -> bytes:
+        """:meth:`render` from a thread other than the engine loop's (a replica's metrics reporter)."""
+        try:
+            self._stats = self.engine.stats(timeout)
+        except Exception:  # noqa: BLE001 - a closed engine: report the last snapshot
+            logger.debug("no engine stats for this scrape", exc_info=True)
+        self._num_waiting = self.engine.num_waiting
+        return _require().generate_latest(self.registry)
+
     @property
     def content_type(self) -> str:
         return _require().CONTENT_TYPE_LATEST
