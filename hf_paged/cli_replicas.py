@@ -87,6 +87,10 @@ def cmd_serve_replicas(args, served_name: str) -> int:
         config["max_model_len"] = args.max_model_len
     if args.speculative_config:
         config["speculative_config"] = args.speculative_config
+    if args.tensor_parallel_size > 1:  # each replica is a tensor-parallel group
+        if args.quantization is not None:
+            raise UsageError("--quantization cannot be used with --tensor-parallel-size > 1")
+        config["tensor_parallel_size"] = args.tensor_parallel_size
     api_key = args.api_key or os.environ.get("HF_PAGED_API_KEY") or None
     spec = EngineSpec(
         model=os.path.abspath(args.model) if args.model else None, dtype=args.dtype, quantization=args.quantization,

@@ -326,3 +326,28 @@ def test_nccl_on_two_gpus(tmp_path):
     assert engine.pool.device.type == "cuda"
     assert _tokens(engine.generate(prompts, GREEDY, use_tqdm=False)) == want
     engine.close()
+
+
+def test_a_ray_replica_spec_builds_a_tensor_parallel_engine(tmp_path):
+    """``hf-paged serve --data-parallel-size M --tensor-parallel-size N``: each replica builds its engine from the
+    folder with every rank loading its shard (the same code runs inside a Ray Serve replica)."""
+    from hf_paged.executor.multiproc import TensorParallelExecutor
+    from hf_paged.serving.ray_app import EngineSpec
+    from tests.serving_helpers import tiny_chat_loader
+
+    model, tokenizer = tiny_chat_loader()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+    want = stock_greedy(model, prompt, 6)
+    spec = EngineSpec(model=str(tmp_path), engine_config={"tensor_parallel_size": 2, "num_blocks": 64})
+    loop, _ = spec.build_app()
+    try:
+        assert isinstance(loop.engine.executor, TensorParallelExecutor)
+        got = loop.call(lambda e: e.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                                             use_tqdm=False)[0].outputs[0].token_ids).result(120)
+        assert got == want
+    finally:
+        loop.shutdown()
+        loop.engine.close()

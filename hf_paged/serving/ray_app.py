@@ -52,7 +52,8 @@ class EngineSpec:
     Attributes:
         model: A local model folder; None is the default model.
         dtype, quantization: As ``hf-paged serve``'s flags.
-        engine_config: ``PagedGenerator`` keywords (``max_num_seqs``, ``max_model_len``, ...).
+        engine_config: ``PagedGenerator`` keywords (``max_num_seqs``, ``max_model_len``, ...); with
+            ``tensor_parallel_size`` N > 1 each replica spawns its N - 1 worker ranks, which load their shards.
         loader: Instead of ``model``, a picklable callable returning ``(model, tokenizer)`` (tests).
     """
 
@@ -91,12 +92,21 @@ class EngineSpec:
         from hf_paged.serving.protocol import ServedModel
         from hf_paged.serving.server import build_app
 
-        model, tokenizer = self.load()
         config = dict(self.engine_config)
         if self.quantization in ("int8", "int4"):
             config["quantization"] = self.quantization
-        loop = AsyncPagedEngine(PagedGenerator(model, tokenizer, **config),
-                                max_waiting_requests=self.max_waiting_requests)
+        if config.get("tensor_parallel_size", 1) > 1 and self.loader is None:  # every rank loads its own shard
+            from transformers import AutoTokenizer
+
+            from hf_paged.default_model import default_model_path
+
+            path = self.model or str(default_model_path())
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            engine = PagedGenerator.from_pretrained(path, tokenizer, dtype=self.dtype, **config)
+        else:
+            model, tokenizer = self.load()
+            engine = PagedGenerator(model, tokenizer, **config)
+        loop = AsyncPagedEngine(engine, max_waiting_requests=self.max_waiting_requests)
         name = self.name()
         aliases = tuple(a for a in (self.model,) if a and a != name)
         served = ServedModel(name, tokenizer, loop.max_model_len, loop.engine.config.max_num_seqs, aliases)
