@@ -9,6 +9,8 @@ verification and the attention backend all give the same tokens (the same quanti
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -257,3 +259,28 @@ def test_pool_capacity_at_the_same_memory_budget():
 def test_bad_kv_cache_dtype_raises_value_error_naming_the_choices(value):
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'int8'\)"):
         EngineConfig(kv_cache_dtype=value)
+
+
+# -- the command line ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi"], ["batch", "f.jsonl"], ["serve"], ["chat"], ["bench", "chat"]])
+def test_cli_kv_cache_dtype_reaches_the_engine_options(argv):
+    from hf_paged import cli
+
+    parser = cli.build_parser()
+    assert cli._quantization(parser.parse_args(argv)) == {}
+    args = parser.parse_args([*argv, "--kv-cache-dtype", "int8"])
+    assert args.kv_cache_dtype == "int8"
+    if argv[0] != "bench":
+        assert cli._quantization(args) == {"kv_cache_dtype": "int8"}
+
+
+def test_cli_rejects_other_kv_cache_dtypes_and_workloads(capsys, monkeypatch):
+    from hf_paged import cli
+
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("loaded a model before checking the input"))
+    assert cli.main(["generate", "hi", "--kv-cache-dtype", "fp8"]) == 2
+    assert re.search(r"invalid choice: 'fp8' \(choose from '?auto'?, '?int8'?\)", capsys.readouterr().err)
+    assert cli.main(["bench", "prefix", "--kv-cache-dtype", "int8"]) == 2
+    assert "--kv-cache-dtype applies to the chat and latency workloads" in capsys.readouterr().err
