@@ -18,7 +18,6 @@ import torch
 
 from hf_paged.cpu import probes
 from hf_paged.cpu.native import NativeLibrary
-from hf_paged.kernels.kv_quant import head_dim_of, quantize_rows
 
 # query lengths up to this go through the native kernel (decodes, draft verification, short prompts): 16
 # sequences of L keys and L queries, 9 heads of 64, Zen 5, native vs per-sequence SDPA: fp32 L=32 0.38 vs
@@ -92,6 +91,8 @@ def _probe(dtype: torch.dtype) -> None:
 
 def _probe_store_int8(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The float pool ``k``/``v`` stored into an int8 pool by the native store, checked against the torch one."""
+    from hf_paged.kernels.kv_quant import quantize_rows  # (hf_paged.kernels imports this module)
+
     shape = (*k.shape[:3], k.shape[3] + 4)
     k_cache, v_cache = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
     slots = torch.arange(k.shape[0] * k.shape[1])
@@ -103,6 +104,11 @@ def _probe_store_int8(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 probes.register(PROBE, _probe)
+
+
+def head_dim_of(cache: torch.Tensor) -> int:
+    """As ``kv_quant.head_dim_of``: an int8 pool's rows end with their 4-byte scale."""
+    return cache.shape[-1] - 4 if cache.dtype == torch.int8 else cache.shape[-1]
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -56,11 +56,13 @@ def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> TileConfig:
     return TileConfig(block_m=max(16, triton.next_power_of_2(group)), tile_n=tile_n, num_warps=4, num_stages=2)
 
 
-def varlen_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dtype) -> TileConfig:
+def varlen_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dtype, kv_int8: bool = False) -> TileConfig:
     """Prefill is bound by compute: 128 query rows per program (8 warps) when there are enough of them,
     64 otherwise; smaller tiles for head_dim 256 and for fp32 (whose "ieee" dot runs on FMA units, in
     registers). Chosen so no configuration spills registers or needs more than ~100 KB of shared memory
-    (checked by compiling for sm_80/sm_90 in tests/test_triton_kernels.py)."""
+    (checked by compiling for sm_80/sm_90 in tests/test_triton_kernels.py). An int8 pool's dequantized tiles
+    take registers of their own: 8 warps share them, and head_dim 256 takes 16 keys a tile (compiled for sm_80,
+    head_dim 80 with softcap spilled at 4 warps, also with 32 keys; head_dim 256 spilled at 32 keys)."""
     wide = head_dim_pad(head_dim) > 128
     if dtype == torch.float32:
         block_m, tile_n, num_warps = (32, 16, 8) if wide else (64, 32, 8)
@@ -70,6 +72,8 @@ def varlen_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dty
         block_m, tile_n, num_warps = 128, 64, 8
     else:
         block_m, tile_n, num_warps = 64, 64, 4
+    if kv_int8 and dtype != torch.float32:
+        tile_n, num_warps = (16, num_warps) if wide else (tile_n, 8)
     return TileConfig(
         block_m=max(block_m, triton.next_power_of_2(group)), tile_n=tile_n, num_warps=num_warps, num_stages=2
     )
@@ -277,7 +281,7 @@ def _launch_varlen(
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    cfg = varlen_config(head_dim, group, max_seqlen_q, query.dtype)
+    cfg = varlen_config(head_dim, group, max_seqlen_q, query.dtype, k_cache.dtype == torch.int8)
     block_q = cfg.block_m // group
     # sequence s owns program ids from cu_seqlens_q[s] // block_q + s; see triton_varlen.py
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
