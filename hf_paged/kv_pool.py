@@ -54,8 +54,9 @@ def probe_kv_layout(model: torch.nn.Module, kv_cache_dtype: str = "auto") -> lis
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, **{METADATA_KWARG: probe})
     _check_probe(model, probe)
     specs = [LayerKVSpec(*probe.layers[i], kv_cache_dtype) for i in range(max(probe.layers) + 1)]
-    for s in specs:
-        s.row_size  # noqa: B018 - raises NotImplementedError for an int8 pool whose head_dim it cannot hold
+    if kv_cache_dtype == "int8":
+        for s in specs:
+            row_size(s.head_dim)  # NotImplementedError for a head_dim the int8 rows cannot hold
     return specs
 
 

@@ -9,6 +9,7 @@ verification and the attention backend all give the same tokens (the same quanti
 
 from __future__ import annotations
 
+import platform
 import re
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from hf_paged import BeamSearchParams, EngineConfig, PagedGenerator, SamplingParams
 from hf_paged.cpu import attention as cpu_attention
+from hf_paged.cpu.native import NativeLibrary
 from hf_paged.kernels import kv_quant, paged_attention, store_kv
 from hf_paged.kernels.reference import paged_attention_reference, store_kv_reference
 from tests.helpers import make_model, make_prompts, stock_greedy
@@ -122,6 +124,29 @@ def test_native_kernel_reads_int8_rows_for_every_query_dtype(dtype, tol, head_di
         torch.arange(3, dtype=torch.int32), out, case.scale, None, None, 4,
     )
     torch.testing.assert_close(out.float(), _reference(case), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("isa_flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma")],
+                         ids=["avx2", "no-avx2"])
+def test_native_int8_store_and_attention_on_narrower_builds(isa_flags, monkeypatch):
+    """The kernel is built for the host: build the AVX2-only and scalar variants too and check their int8 store
+    and dequantizing reads, so an AVX-512 host also tests what AVX2-only CPUs run."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX") or platform.machine() != "x86_64":
+        pytest.skip("x86 ISA flags")
+    lib = NativeLibrary("paged_attention_cpu.c", cpu_attention.LIBRARY.functions, extra_flags=isa_flags)
+    assert lib.load() is not None, lib.why
+    monkeypatch.setattr(cpu_attention, "LIBRARY", lib)
+    g = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(9, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([5, -1, 0, 31, 12, -1, 7, 20, 2])
+    pool, want = torch.zeros(2, 8, 4, 2, 68, dtype=torch.int8), torch.zeros(2, 8, 4, 2, 68, dtype=torch.int8)
+    assert cpu_attention.store_kv_native(k, v, pool[0], pool[1], slots)
+    store_kv_reference(k, v, want[0], want[1], slots)
+    assert torch.equal(pool, want)
+    for shape, window, softcap in (("decode", None, None), ("spec_verify", 4, 5.0)):
+        case = int8_case(*SHAPES[shape], num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, seed=5)
+        got = paged_attention(*case.args(), sliding_window=window, softcap=softcap, backend="cpu")
+        torch.testing.assert_close(got, _reference(case, window, softcap), atol=2e-5, rtol=2e-5)
 
 
 def test_int8_attention_is_close_to_the_float_pool():
