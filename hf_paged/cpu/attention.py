@@ -61,32 +61,32 @@ def unavailable_reason(dtype: torch.dtype = torch.float32) -> str:
 
 def _probe(dtype: torch.dtype) -> None:
     """A tiny decode + short-query step (GQA 2:1, two blocks, a sliding window) against the torch path; for
-    int8, an fp32 query over an int8 pool written by both stores (they must agree byte for byte)."""
+    int8, fp32, bf16 and fp16 queries over an int8 pool written by both stores (agreeing byte for byte)."""
     if dtype not in KV_DTYPE_CODES:
         raise NotImplementedError(f"the native kernel takes {sorted(str(d) for d in KV_DTYPE_CODES)}, not {dtype}")
     if load() is None:
         raise RuntimeError(LIBRARY.why or "the native kernel could not be built")
     from hf_paged.kernels.torch_attention import paged_attention_torch
 
-    g = torch.Generator().manual_seed(0)
-    block_size, kvh, heads, dim = 4, 2, 4, 16
-    qdtype = torch.float32 if dtype == torch.int8 else dtype
-    k_cache = torch.randn(6, block_size, kvh, dim, generator=g).to(qdtype)
-    v_cache = torch.randn(6, block_size, kvh, dim, generator=g).to(qdtype)
-    if dtype == torch.int8:
-        k_cache, v_cache = _probe_store_int8(k_cache, v_cache)
-    block_tables = torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int32)
-    seq_lens = torch.tensor([7, 11], dtype=torch.int32)
-    cu = torch.tensor([0, 1, 4], dtype=torch.int32)
-    query = torch.randn(4, heads, dim, generator=g).to(qdtype)
-    for window in (None, 5):
-        want = paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu, 3, 11, 0.25, window)
-        out = torch.zeros_like(query)
-        paged_attention_native(
-            query, k_cache, v_cache, block_tables, seq_lens, cu, torch.tensor([0, 1], dtype=torch.int32), out,
-            0.25, window, None, 3,
-        )
-        probes.check_close(out, want, f"native attention (window {window})")
+    for qdtype in _DTYPES if dtype == torch.int8 else (dtype,):
+        g = torch.Generator().manual_seed(0)
+        block_size, kvh, heads, dim = 4, 2, 4, 16
+        k_cache = torch.randn(6, block_size, kvh, dim, generator=g).to(qdtype)
+        v_cache = torch.randn(6, block_size, kvh, dim, generator=g).to(qdtype)
+        if dtype == torch.int8:
+            k_cache, v_cache = _probe_store_int8(k_cache, v_cache)
+        block_tables = torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int32)
+        seq_lens = torch.tensor([7, 11], dtype=torch.int32)
+        cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+        query = torch.randn(4, heads, dim, generator=g).to(qdtype)
+        for window in (None, 5):
+            want = paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu, 3, 11, 0.25, window)
+            out = torch.zeros_like(query)
+            paged_attention_native(
+                query, k_cache, v_cache, block_tables, seq_lens, cu, torch.tensor([0, 1], dtype=torch.int32), out,
+                0.25, window, None, 3,
+            )
+            probes.check_close(out, want, f"native attention ({qdtype} over {dtype}, window {window})")
 
 
 def _probe_store_int8(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

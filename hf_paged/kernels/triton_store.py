@@ -46,10 +46,12 @@ def store_kv_kernel(
     mask = (heads < num_kv_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
 
     k = tl.load(
-        key_ptr + token * stride_k_token + heads[:, None] * stride_k_head + offs_d[None, :] * stride_k_dim, mask=mask
+        key_ptr + token * stride_k_token + heads[:, None] * stride_k_head + offs_d[None, :] * stride_k_dim, mask=mask,
+        other=0.0,  # padded head_dim lanes: 0, so an int8 row's absmax ignores them
     )
     v = tl.load(
-        value_ptr + token * stride_v_token + heads[:, None] * stride_v_head + offs_d[None, :] * stride_v_dim, mask=mask
+        value_ptr + token * stride_v_token + heads[:, None] * stride_v_head + offs_d[None, :] * stride_v_dim, mask=mask,
+        other=0.0,  # padded head_dim lanes: 0, so an int8 row's absmax ignores them
     )
     kc = k_cache_ptr + block * stride_kc_block + offset * stride_kc_offset
     vc = v_cache_ptr + block * stride_vc_block + offset * stride_vc_offset

@@ -684,9 +684,11 @@ int hfp_store_kv_int8(const void* k, const void* v, int64_t k_row_stride, int64_
             for (int h = 0; h < num_kv_heads; ++h, dst += row) {
                 const float* x = load_row(src, i * (kv ? v_row_stride : k_row_stride) + (int64_t)h * head_dim, head_dim, dt, buf);
                 float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
                 for (int d = 0; d < head_dim; ++d) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
                 const float scale = amax / 127.0f;
                 const float div = scale > FLT_MIN ? scale : FLT_MIN;
+#pragma omp simd
                 for (int d = 0; d < head_dim; ++d) {
                     float q = floorf(x[d] / div + 0.5f);
                     q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
