@@ -144,7 +144,7 @@ def attend(
     if k.shape[-1] != value_dim:
         # Multi-head latent attention: the pool holds K and V at the larger size. Zero columns in q and k
         # leave every score unchanged; zero columns in v only add output columns, cut off below.
-        size = k_cache.shape[-1]
+        size = k_cache.shape[-1] - (4 if k_cache.dtype == torch.int8 else 0)  # an int8 row ends with its scale
         q, k, v = (torch.nn.functional.pad(x, (0, size - x.shape[-1])) for x in (q, k, v))
     out = meta.impl(meta, layer_idx, q, k, v, k_cache, v_cache, scale, sliding_window, softcap)
     return out[..., :value_dim] if out.shape[-1] != value_dim else out

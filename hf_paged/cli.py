@@ -34,10 +34,13 @@ def _load(args):
 
 
 def _engine_options(args) -> dict:
-    """Engine keywords from the flags: --quantization int8/int4 (gguf is a way of loading, see _load) and
-    --tensor-parallel-size."""
+    """Engine keywords from the flags: --quantization int8/int4 (gguf is a way of loading, see _load),
+    --kv-cache-dtype and --tensor-parallel-size."""
     q = getattr(args, "quantization", None)
     out = {"quantization": q} if q in ("int8", "int4") else {}
+    kv = getattr(args, "kv_cache_dtype", "auto")
+    if kv != "auto":
+        out["kv_cache_dtype"] = kv
     tp = getattr(args, "tensor_parallel_size", 1)
     if tp != 1:
         if q == "gguf":
@@ -137,6 +140,10 @@ def cmd_bench(args) -> int:
 
     systems = set(args.systems.split(",")) if args.systems else None
     extra = {}
+    if args.kv_cache_dtype != "auto":
+        if args.workload not in ("chat", "latency"):
+            raise UsageError(f"--kv-cache-dtype applies to the chat and latency workloads, not {args.workload}")
+        extra["kv_cache_dtype"] = args.kv_cache_dtype
     if args.workload == "serve":
         extra = {"clients": _int_list(args.clients, "--clients"), "num_requests": args.requests,
                  "max_tokens": args.max_tokens}
@@ -282,11 +289,18 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int, temperature: floa
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                    help="shard the model over N processes (torch.distributed; under torchrun, its WORLD_SIZE); "
                    "docs/tensor_parallel.md")
+    _add_kv_cache_dtype(p)
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer (>= 1)")
     p.add_argument("--temperature", type=float, default=temperature, help="0 is greedy; otherwise > 0")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 disables")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables")
     p.add_argument("--seed", type=int, default=None, help="seed of each request's own generator (unset: random)")
+
+
+def _add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                   help="KV pool storage: auto (the model dtype) or int8 (per token-and-head scales, ~4x the tokens of "
+                   "fp32 in the same memory; docs/quantization.md)")
 
 
 def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -> None:
@@ -298,6 +312,7 @@ def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                    help="shard the model over N processes (torch.distributed; under torchrun, its WORLD_SIZE); "
                    "docs/tensor_parallel.md")
+    _add_kv_cache_dtype(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=port, help="port to listen on")
     p.add_argument("--max-num-seqs", type=_positive_int, default=max_num_seqs, help="most sequences in one batch")
@@ -357,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "structured", "replicas"])
     bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights and KV cache dtype")
     bench.add_argument("--repeat", type=_positive_int, default=1, help="runs per system; the fastest counts")
+    _add_kv_cache_dtype(bench)
     bench.add_argument("--systems", help="comma-separated subset, e.g. padded,hf_paged; chat and latency also take "
                        "eager (hf_paged with enforce_eager=True, for A/B runs); latency also gguf_q4_1, int8, int4 "
                        "(quantized weights); chat also tp2 (tensor_parallel_size=2); replicas: pow2,prefix (routings)")

@@ -9,6 +9,7 @@ from typing import Any
 from hf_paged.core.prefill_pacer import check_max_itl_ratio
 from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, check_long_prefill_token_threshold
 from hf_paged.kernels import BACKENDS
+from hf_paged.kernels.kv_quant import check_kv_cache_dtype
 from hf_paged.cpu.packed_linear import KIND_NAMES as PACKING_KIND_NAMES
 from hf_paged.cpu.packed_linear import KINDS as PACKING_KINDS
 from hf_paged.cpu.quantize_model import check_quantization
@@ -108,6 +109,9 @@ class EngineConfig:
             gloo on CPU, NCCL on CUDA): the engine spawns ``N - 1`` workers, or joins ``torchrun``'s ranks.
             See docs/tensor_parallel.md.
         distributed_timeout: Seconds a tensor-parallel collective (or the group's start) may wait for a rank.
+        kv_cache_dtype: How the KV pool stores keys and values (vLLM's key): "auto" (the model's dtype) or
+            "int8" (per token-and-head symmetric int8 with an fp32 scale: about 3.8x the tokens of an fp32 pool
+            and 1.9x of a bf16 one in the same memory, at a small accuracy cost). See docs/quantization.md.
     """
 
     block_size: int = 16
@@ -135,6 +139,7 @@ class EngineConfig:
     quantization: str | None = None
     tensor_parallel_size: int = 1
     distributed_timeout: float = 60.0
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
@@ -180,6 +185,7 @@ class EngineConfig:
             self.distributed_timeout > 0
         ):
             raise ValueError(f"distributed_timeout must be a positive number of seconds, got {self.distributed_timeout!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         pw = self.prepack_weights
         if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in PACKING_KINDS)):
             raise ValueError(f"prepack_weights must be None, True, False, {PACKING_KIND_NAMES}, got {self.prepack_weights!r}")

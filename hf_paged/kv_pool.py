@@ -12,33 +12,52 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged.attention import METADATA_KWARG, KVLayoutProbe
+from hf_paged.kernels.kv_quant import check_kv_cache_dtype, row_size
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class LayerKVSpec:
+    """One layer's K/V: heads, head size, the model's dtype, and how the pool stores them ("auto": in ``dtype``;
+    "int8": rows of int8 values and an fp32 scale, :mod:`hf_paged.kernels.kv_quant`)."""
+
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return torch.int8 if self.kv_cache_dtype == "int8" else self.dtype
+
+    @property
+    def row_size(self) -> int:
+        """Last dimension of the pool tensors (``head_dim``, plus the scale's 4 bytes for int8)."""
+        return row_size(self.head_dim) if self.kv_cache_dtype == "int8" else self.head_dim
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_kv_heads * self.row_size * torch.empty((), dtype=self.cache_dtype).element_size()
 
 
-def probe_kv_layout(model: torch.nn.Module) -> list[LayerKVSpec]:
+def probe_kv_layout(model: torch.nn.Module, kv_cache_dtype: str = "auto") -> list[LayerKVSpec]:
     """Run one token through the model to learn every attention layer's K/V shape and dtype.
 
     Works for any architecture that routes attention through the interface, whatever its config calls
-    heads and head sizes.
+    heads and head sizes. ``kv_cache_dtype`` ("auto" or "int8") is how the pool will store them.
     """
+    check_kv_cache_dtype(kv_cache_dtype)
     probe = KVLayoutProbe()
     device = next(model.parameters()).device
     with torch.inference_mode():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, **{METADATA_KWARG: probe})
     _check_probe(model, probe)
-    return [LayerKVSpec(*probe.layers[i]) for i in range(max(probe.layers) + 1)]
+    specs = [LayerKVSpec(*probe.layers[i], kv_cache_dtype) for i in range(max(probe.layers) + 1)]
+    if kv_cache_dtype == "int8":
+        for s in specs:
+            row_size(s.head_dim)  # NotImplementedError for a head_dim the int8 rows cannot hold
+    return specs
 
 
 def _check_probe(model: torch.nn.Module, probe: KVLayoutProbe) -> None:
@@ -159,6 +178,10 @@ class KVPool:
 
     With ``num_host_blocks`` a second pool of the same layout lives in host memory (pinned on CUDA) for
     sequences swapped out under memory pressure; on a CPU device it is simply a second buffer.
+
+    An int8 pool (``kv_cache_dtype="int8"``) holds int8 tensors ``[num_blocks, block_size, num_kv_heads,
+    head_dim + 4]``: each row's values and its fp32 scale side by side, so block copies and swaps move the
+    scales with the values (format: :mod:`hf_paged.kernels.kv_quant`).
     """
 
     def __init__(
@@ -175,15 +198,12 @@ class KVPool:
         self.committed = 0 if device.type == "cpu" else num_blocks
         pin = device.type == "cuda"
         for spec in specs:
-            shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-            self.kv_caches.append(
-                (torch.empty(shape, dtype=spec.dtype, device=device), torch.empty(shape, dtype=spec.dtype, device=device))
-            )
+            shape = (num_blocks, block_size, spec.num_kv_heads, spec.row_size)
+            dt = spec.cache_dtype
+            self.kv_caches.append((torch.empty(shape, dtype=dt, device=device), torch.empty(shape, dtype=dt, device=device)))
             if num_host_blocks:
                 host = (num_host_blocks, *shape[1:])
-                self.host_caches.append(
-                    (torch.empty(host, dtype=spec.dtype, pin_memory=pin), torch.empty(host, dtype=spec.dtype, pin_memory=pin))
-                )
+                self.host_caches.append((torch.empty(host, dtype=dt, pin_memory=pin), torch.empty(host, dtype=dt, pin_memory=pin)))
 
     def commit(self, high_water: int) -> None:
         """Fault in the pages of blocks ``committed .. high_water - 1``, and on to the end of a chunk of
@@ -208,11 +228,21 @@ class KVPool:
         copy_blocks(self.host_caches, pairs, self.kv_caches)
 
     def supports_native(self) -> bool:
-        """Whether the native CPU attention kernel can read this pool (CPU, fp32/bf16/fp16, contiguous)."""
+        """Whether the native CPU attention kernel can read this pool (CPU, fp32/bf16/fp16/int8, contiguous)."""
         return all(
-            k.device.type == "cpu" and k.dtype in (torch.float32, torch.bfloat16, torch.float16) and k.is_contiguous()
+            k.device.type == "cpu" and k.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+            and k.is_contiguous()
             for k, _ in self.kv_caches
         )
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.specs[0].kv_cache_dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The pool tensors' dtype (the model's, or ``torch.int8``)."""
+        return self.specs[0].cache_dtype
 
     @property
     def num_layers(self) -> int:

@@ -64,25 +64,35 @@ def _spill_bytes(compiled) -> int | None:
     return sum(int(m) for m in re.findall(r"STACK:(\d+)", usage))
 
 
-def _attention_pointers(dtype: torch.dtype) -> dict:
+def _attention_pointers(dtype: torch.dtype, kv_int8: bool = False) -> dict:
     t = TRITON_DTYPE[dtype]
+    kv = "i8" if kv_int8 else t
     return dict(
         out_ptr=f"*{t}", part_out_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", query_ptr=f"*{t}",
-        k_cache_ptr=f"*{t}", v_cache_ptr=f"*{t}", block_tables_ptr="*i32", seq_lens_ptr="*i32",
+        k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", k_scale_ptr="*fp32" if kv_int8 else f"*{t}",
+        v_scale_ptr="*fp32" if kv_int8 else f"*{t}", block_tables_ptr="*i32", seq_lens_ptr="*i32",
         cu_seqlens_q_ptr="*i32",
     )
 
 
-def _attention_constexprs(cfg, head_dim: int, group: int, dtype: torch.dtype, block_size: int, extras: bool) -> dict:
+def _attention_constexprs(cfg, head_dim: int, group: int, dtype: torch.dtype, block_size: int, extras: bool,
+                          kv_int8: bool = False) -> dict:
     return dict(
+        KV_INT8=kv_int8,
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=ta.head_dim_pad(head_dim), USE_SOFTCAP=extras, USE_WINDOW=extras,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
     )
 
 
-# (kernel, dtype, head_dim, group, max_seqlen_q, block_size, softcap+window, arch)
+# (kernel, dtype, head_dim, group, max_seqlen_q, block_size, softcap+window, arch[, int8 KV pool])
 CASES = [
+    ("decode", torch.float16, 128, 4, 1, 16, False, 90, True),
+    ("decode", torch.bfloat16, 64, 3, 1, 16, True, 80, True),
+    ("varlen", torch.bfloat16, 128, 4, 512, 16, False, 90, True),
+    ("varlen", torch.float16, 80, 3, 8, 16, True, 80, True),
+    ("varlen", torch.float16, 256, 2, 512, 16, False, 90, True),
+    ("decode", torch.bfloat16, 256, 2, 1, 256, True, 90, True),
     ("decode", torch.float16, 80, 3, 1, 16, True, 90),
     ("decode", torch.bfloat16, 128, 4, 1, 16, False, 80),
     ("decode", torch.bfloat16, 256, 2, 1, 256, True, 90),
@@ -98,19 +108,20 @@ CASES = [
 
 def main() -> int:
     failures = []
-    for kernel, dtype, head_dim, group, max_q, block_size, extras, arch in CASES:
-        label = f"{kernel} {TRITON_DTYPE[dtype]} head_dim={head_dim} group={group} sm_{arch}"
+    for kernel, dtype, head_dim, group, max_q, block_size, extras, arch, *int8 in CASES:
+        kv_int8 = bool(int8 and int8[0])
+        label = f"{kernel} {TRITON_DTYPE[dtype]}{' int8 KV' if kv_int8 else ''} head_dim={head_dim} group={group} sm_{arch}"
         if kernel == "decode":
             cfg = ta.decode_config(head_dim, group, dtype)
-            constexprs = dict(_attention_constexprs(cfg, head_dim, group, dtype, block_size, extras), SPLIT=True)
+            constexprs = dict(_attention_constexprs(cfg, head_dim, group, dtype, block_size, extras, kv_int8), SPLIT=True)
             fn = decode_kernel
         else:
-            cfg = ta.varlen_config(head_dim, group, max_q, dtype)
-            constexprs = _attention_constexprs(cfg, head_dim, group, dtype, block_size, extras)
+            cfg = ta.varlen_config(head_dim, group, max_q, dtype, kv_int8)
+            constexprs = _attention_constexprs(cfg, head_dim, group, dtype, block_size, extras, kv_int8)
             constexprs["BLOCK_Q"] = cfg.block_m // group
             fn = varlen_kernel
         try:
-            compiled = _compile(fn, _attention_pointers(dtype), constexprs, arch, cfg.num_warps, cfg.num_stages)
+            compiled = _compile(fn, _attention_pointers(dtype, kv_int8), constexprs, arch, cfg.num_warps, cfg.num_stages)
         except Exception as e:  # noqa: BLE001 - report every failing configuration, not only the first
             failures.append(f"{label}: {type(e).__name__}: {e}")
             continue
@@ -126,8 +137,11 @@ def main() -> int:
                                         part_l_ptr="*fp32", cu_seqlens_q_ptr="*i32"),
              dict(HEAD_DIM=80, HEAD_DIM_PAD=128, NUM_SPLITS_PAD=32), 90)
     _compile(store_kv_kernel, dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
-                                   slot_mapping_ptr="*i64"),
-             dict(BLOCK_SIZE=16, HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_H=8), 90)
+                                   k_scale_ptr="*bf16", v_scale_ptr="*bf16", slot_mapping_ptr="*i64"),
+             dict(BLOCK_SIZE=16, HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_H=8, KV_INT8=False), 90)
+    _compile(store_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr="*i8", v_cache_ptr="*i8",
+                                   k_scale_ptr="*fp32", v_scale_ptr="*fp32", slot_mapping_ptr="*i64"),
+             dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_H=8, KV_INT8=True), 90)
     print("reduce and store kernels compiled")
     for failure in failures:
         print("FAIL", failure)

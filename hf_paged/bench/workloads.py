@@ -51,6 +51,8 @@ def run_engine(model, prompts, params, engine_kw: dict, track_kv: bool = False) 
     engine_stats = engine.stats()
     mib = 2**20
     stats = {"steps": engine.num_steps, "preemptions": sum(engine.scheduler.num_preemptions.values()),
+             "kv_pool": f"{engine.pool.capacity_tokens} tokens, {engine.pool.total_bytes / 2**20:.1f} MiB, "
+                        f"{str(engine.pool.cache_dtype).removeprefix('torch.')}",
              "kv_waste": round(peak[0] / peak[1], 3) if track_kv else None,
              "prefix_cache_hit_rate": round(engine_stats.prefix_cache_hit_rate, 3)}
     if track_kv:
@@ -79,11 +81,20 @@ def _eager_run(model, prompts, params, engine_kw: dict, repeat: int) -> SystemRe
     return res
 
 
+def _kv_name(system: str, kv_cache_dtype: str) -> str:
+    return system if kv_cache_dtype == "auto" else f"{system}, {kv_cache_dtype} KV"
+
+
+def _kv_label(res: SystemResult, kv_cache_dtype: str) -> SystemResult:
+    res.system = _kv_name(res.system, kv_cache_dtype)
+    return res
+
+
 def _warm_hf(model, prompts, pad_id):
     hf_padded_generate(model, prompts[:2], [4, 4], pad_id, None)
 
 
-def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, **_) -> dict:
+def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, kv_cache_dtype: str = "auto", **_) -> dict:
     model, tok = load_default(parse_dtype(dtype))
     messages = load_chat_messages()
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in messages]
@@ -101,8 +112,9 @@ def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, 
     if "generate_batch" in want:
         results.append(best_of(repeat, lambda: hf_generate_batch(model, prompts, limits, eos)[0]))
     params = SamplingParams(max_tokens=128, temperature=0.0)
+    kw = dict(max_num_seqs=len(prompts), kv_cache_dtype=kv_cache_dtype)
     if EAGER in want:
-        results.append(_eager_run(model, prompts, params, dict(max_num_seqs=len(prompts)), repeat))
+        results.append(_kv_label(_eager_run(model, prompts, params, kw, repeat), kv_cache_dtype))
     extra = {"requests": len(prompts), "model": "SmolLM2-135M-Instruct"}
     if TP2 in want:  # the engine sharded over 2 processes (they share this machine's cores)
         from hf_paged.executor.tensor_parallel import COMM
@@ -110,20 +122,21 @@ def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, 
         tp_runs = []
         for _ in range(max(1, repeat)):
             COMM.seconds, COMM.bytes, COMM.calls = 0.0, 0, 0
-            tp_runs.append(run_engine(model, prompts, params, dict(max_num_seqs=len(prompts), tensor_parallel_size=2)))
+            tp_runs.append(run_engine(model, prompts, params, {**kw, "tensor_parallel_size": 2}))
         tp_res, tp_outputs, tp_stats = min(tp_runs, key=lambda r: r[0].seconds)
-        tp_res.system = f"{ENGINE}, tensor_parallel_size=2"
+        tp_res.system = f"{_kv_name(ENGINE, kv_cache_dtype)}, tensor_parallel_size=2"
         results.append(tp_res)
         extra["tp2_comm_(last_run)"] = tp_stats["comm"]
-    runs = [run_engine(model, prompts, params, dict(max_num_seqs=len(prompts))) for _ in range(max(1, repeat))]
-    res, outputs, _ = min(runs, key=lambda r: r[0].seconds)
-    results.append(res)
+    runs = [run_engine(model, prompts, params, kw) for _ in range(max(1, repeat))]
+    res, outputs, stats = min(runs, key=lambda r: r[0].seconds)
+    results.append(_kv_label(res, kv_cache_dtype))
+    extra["kv_pool"] = stats["kv_pool"]
     if TP2 in want:
         extra["tp2_same_tokens_as_one_process"] = f"{sum(a == b for a, b in zip(outputs, tp_outputs))}/{len(prompts)}"
     if hf_outputs is not None:
         # Greedy outputs of a padded batch and of the engine should agree (fp32: exactly, in practice).
         extra["same_tokens_as_hf_generate"] = f"{sum(a == b for a, b in zip(outputs, hf_outputs))}/{len(prompts)}"
-    return print_report("chat", dtype, results, ENGINE, extra)
+    return print_report("chat", dtype, results, _kv_name(ENGINE, kv_cache_dtype), extra)
 
 
 def mixed_model(dtype: torch.dtype = torch.float32):
@@ -194,7 +207,8 @@ def _static_batch_waste(prompts, limits, batch_size) -> float:
     return round(peak[0] / peak[1], 3)
 
 
-def latency(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, **_) -> dict:
+def latency(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, kv_cache_dtype: str = "auto",
+            **_) -> dict:
     model, tok = load_default(parse_dtype(dtype))
     text = " ".join(m[0]["content"] for m in load_chat_messages())
     prompt = tok(text)["input_ids"][:128]
@@ -204,19 +218,20 @@ def latency(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = Non
     if "padded" in want:
         results.append(best_of(repeat, lambda: hf_padded_generate(model, [prompt], [256], 0, None, label="HF generate")[0]))
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+    base = dict(max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
     if EAGER in want:
-        results.append(_eager_run(model, [prompt], params, dict(max_num_seqs=4), repeat))
-    runs = [run_engine(model, [prompt], params, dict(max_num_seqs=4)) for _ in range(max(1, repeat))]
-    results.append(min(runs, key=lambda r: r[0].seconds)[0])
+        results.append(_kv_label(_eager_run(model, [prompt], params, base, repeat), kv_cache_dtype))
+    runs = [run_engine(model, [prompt], params, base) for _ in range(max(1, repeat))]
+    results.append(_kv_label(min(runs, key=lambda r: r[0].seconds)[0], kv_cache_dtype))
     for name in QUANTIZED:
         if name in want:
             qmodel = load_default(parse_dtype(dtype), quantized=True)[0] if name == "gguf_q4_1" else model
-            kw = dict(max_num_seqs=4) if name == "gguf_q4_1" else dict(max_num_seqs=4, quantization=name)
+            kw = base if name == "gguf_q4_1" else dict(base, quantization=name)
             runs = [run_engine(qmodel, [prompt], params, kw) for _ in range(max(1, repeat))]
             results.append(min(runs, key=lambda r: r[0].seconds)[0])
-            results[-1].system = f"{ENGINE}, {name}"
+            results[-1].system = _kv_name(f"{ENGINE}, {name}", kv_cache_dtype)
     ms = {r.system: round(1000 * r.seconds / r.tokens, 2) for r in results}
-    return print_report("latency", dtype, results, ENGINE, {"ms_per_output_token": ms})
+    return print_report("latency", dtype, results, _kv_name(ENGINE, kv_cache_dtype), {"ms_per_output_token": ms})
 
 
 def prefix_requests(n: int = 64, prefix_len: int = 512, suffix_len: int = 32, seed: int = 0, vocab: int = 32000):

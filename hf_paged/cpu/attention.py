@@ -24,13 +24,16 @@ from hf_paged.cpu.native import NativeLibrary
 # 0.95 ms, 64 1.4 vs 1.7, 128 5.6 vs 4.9; bf16 64 1.0 vs 2.0, 128 3.8 vs 5.5
 MAX_Q = 64
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# pool dtypes the kernel reads: the float ones (the query's own) and int8 rows with their scale (kv_quant.py)
+KV_DTYPE_CODES = {**_DTYPES, torch.int8: 3}
 PROBE = "attention.native"
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 LIBRARY = NativeLibrary(
     "paged_attention_cpu.c",
     {"hfp_paged_attention": (_i32, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i32, _ptr, _i64, _i64,
-                                    _i32, _i32, _i32, _i32, _f32, _i32, _f32, _i32, _i32, _i32]),
-     "hfp_store_kv": (_i32, [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64])},
+                                    _i32, _i32, _i32, _i32, _f32, _i32, _f32, _i32, _i32, _i32, _i32]),
+     "hfp_store_kv": (_i32, [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
+     "hfp_store_kv_int8": (_i32, [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i64])},
     what="the native CPU attention kernel",
 )
 
@@ -47,7 +50,8 @@ def reset() -> None:
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the native kernel builds here and computes ``dtype`` correctly (probed once per dtype)."""
+    """Whether the native kernel builds here and computes ``dtype`` correctly (probed once per dtype; for
+    ``torch.int8``, an int8 pool read by fp32 queries and written by the native store)."""
     return probes.probe(PROBE, dtype).ok
 
 
@@ -56,39 +60,62 @@ def unavailable_reason(dtype: torch.dtype = torch.float32) -> str:
 
 
 def _probe(dtype: torch.dtype) -> None:
-    """A tiny decode + short-query step (GQA 2:1, two blocks, a sliding window) against the torch path."""
-    if dtype not in _DTYPES:
-        raise NotImplementedError(f"the native kernel takes {sorted(str(d) for d in _DTYPES)}, not {dtype}")
+    """A tiny decode + short-query step (GQA 2:1, two blocks, a sliding window) against the torch path; for
+    int8, fp32, bf16 and fp16 queries over an int8 pool written by both stores (agreeing byte for byte)."""
+    if dtype not in KV_DTYPE_CODES:
+        raise NotImplementedError(f"the native kernel takes {sorted(str(d) for d in KV_DTYPE_CODES)}, not {dtype}")
     if load() is None:
         raise RuntimeError(LIBRARY.why or "the native kernel could not be built")
     from hf_paged.kernels.torch_attention import paged_attention_torch
 
-    g = torch.Generator().manual_seed(0)
-    block_size, kvh, heads, dim = 4, 2, 4, 16
-    k_cache = torch.randn(6, block_size, kvh, dim, generator=g).to(dtype)
-    v_cache = torch.randn(6, block_size, kvh, dim, generator=g).to(dtype)
-    block_tables = torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int32)
-    seq_lens = torch.tensor([7, 11], dtype=torch.int32)
-    cu = torch.tensor([0, 1, 4], dtype=torch.int32)
-    query = torch.randn(4, heads, dim, generator=g).to(dtype)
-    for window in (None, 5):
-        want = paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu, 3, 11, 0.25, window)
-        out = torch.zeros_like(query)
-        paged_attention_native(
-            query, k_cache, v_cache, block_tables, seq_lens, cu, torch.tensor([0, 1], dtype=torch.int32), out,
-            0.25, window, None, 3,
-        )
-        probes.check_close(out, want, f"native attention (window {window})")
+    for qdtype in _DTYPES if dtype == torch.int8 else (dtype,):
+        g = torch.Generator().manual_seed(0)
+        block_size, kvh, heads, dim = 4, 2, 4, 16
+        k_cache = torch.randn(6, block_size, kvh, dim, generator=g).to(qdtype)
+        v_cache = torch.randn(6, block_size, kvh, dim, generator=g).to(qdtype)
+        if dtype == torch.int8:
+            k_cache, v_cache = _probe_store_int8(k_cache, v_cache)
+        block_tables = torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int32)
+        seq_lens = torch.tensor([7, 11], dtype=torch.int32)
+        cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+        query = torch.randn(4, heads, dim, generator=g).to(qdtype)
+        for window in (None, 5):
+            want = paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu, 3, 11, 0.25, window)
+            out = torch.zeros_like(query)
+            paged_attention_native(
+                query, k_cache, v_cache, block_tables, seq_lens, cu, torch.tensor([0, 1], dtype=torch.int32), out,
+                0.25, window, None, 3,
+            )
+            probes.check_close(out, want, f"native attention ({qdtype} over {dtype}, window {window})")
+
+
+def _probe_store_int8(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float pool ``k``/``v`` stored into an int8 pool by the native store, checked against the torch one."""
+    from hf_paged.kernels.kv_quant import quantize_rows  # (hf_paged.kernels imports this module)
+
+    shape = (*k.shape[:3], k.shape[3] + 4)
+    k_cache, v_cache = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+    slots = torch.arange(k.shape[0] * k.shape[1])
+    _store(LIBRARY.load(), k.flatten(0, 1), v.flatten(0, 1), k_cache, v_cache, slots)
+    for got, src in ((k_cache, k), (v_cache, v)):
+        if not torch.equal(got, quantize_rows(src)):
+            raise RuntimeError("the native int8 store differs from kv_quant.quantize_rows")
+    return k_cache, v_cache
 
 
 probes.register(PROBE, _probe)
+
+
+def head_dim_of(cache: torch.Tensor) -> int:
+    """As ``kv_quant.head_dim_of``: an int8 pool's rows end with their 4-byte scale."""
+    return cache.shape[-1] - 4 if cache.dtype == torch.int8 else cache.shape[-1]
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
         query.device.type == "cpu"
         and query.dtype in _DTYPES
-        and k_cache.dtype == query.dtype
+        and k_cache.dtype in (query.dtype, torch.int8)
         and query.stride(-1) == 1
         and k_cache.is_contiguous()
     )
@@ -128,21 +155,29 @@ def _attend(lib, query, k_cache, v_cache, step_args, out, scale, sliding_window,
     rc = lib.hfp_paged_attention(
         query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), *step_args,
         out.data_ptr(), out.stride(0), out.stride(1), query.shape[1], k_cache.shape[2], query.shape[2],
-        k_cache.shape[1], float(scale), int(sliding_window or 0), float(softcap or 0.0), _DTYPES[query.dtype], max_q,
-        threads,
+        k_cache.shape[1], float(scale), int(sliding_window or 0), float(softcap or 0.0), _DTYPES[query.dtype],
+        KV_DTYPE_CODES[k_cache.dtype], max_q, threads,
     )
     if rc != 0:
         raise MemoryError("native CPU attention could not allocate its scratch buffers")
 
 
 def _store(lib, key, value, k_cache, v_cache, slot_mapping) -> None:
-    """One unchecked ``hfp_store_kv`` call (the callers check the tensors); raises if a slot is past the pool."""
+    """One unchecked ``hfp_store_kv`` call (the callers check the tensors); raises if a slot is past the pool.
+    An int8 pool quantizes each row on the way in (``hfp_store_kv_int8``)."""
     size = key.element_size()
-    rc = lib.hfp_store_kv(
-        key.data_ptr(), value.data_ptr(), key.stride(0) * size, value.stride(0) * size,
-        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), slot_mapping.shape[0],
-        key.shape[1] * key.shape[2] * size, k_cache.shape[0] * k_cache.shape[1],
-    )
+    if k_cache.dtype == torch.int8:
+        rc = lib.hfp_store_kv_int8(
+            key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            slot_mapping.data_ptr(), slot_mapping.shape[0], key.shape[1], key.shape[2], _DTYPES[key.dtype],
+            k_cache.shape[0] * k_cache.shape[1],
+        )
+    else:
+        rc = lib.hfp_store_kv(
+            key.data_ptr(), value.data_ptr(), key.stride(0) * size, value.stride(0) * size,
+            k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), slot_mapping.shape[0],
+            key.shape[1] * key.shape[2] * size, k_cache.shape[0] * k_cache.shape[1],
+        )
     if rc != 0:
         raise IndexError(f"slot_mapping has a slot past the pool's {k_cache.shape[0] * k_cache.shape[1]} slots")
 
@@ -157,11 +192,13 @@ def store_kv_native(
     """Copy the new keys and values into their slots in one native call; False (nothing written) where the
     call does not apply (no library, another dtype or layout), and the caller stores them with torch."""
     lib = LIBRARY.load()
+    quantized = k_cache.dtype == torch.int8 and key.dtype in _DTYPES
     if (
-        lib is None or key.dtype != k_cache.dtype or value.dtype != v_cache.dtype or key.device.type != "cpu"
+        lib is None or key.device.type != "cpu" or v_cache.dtype != k_cache.dtype or value.dtype != key.dtype
+        or (key.dtype != k_cache.dtype and not quantized)
         or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
-        or not k_cache.is_contiguous() or not v_cache.is_contiguous()
-        or key.shape[1:] != k_cache.shape[2:] or value.shape[1:] != v_cache.shape[2:] or key.shape[1:] != value.shape[1:]
+        or not k_cache.is_contiguous() or not v_cache.is_contiguous() or v_cache.shape != k_cache.shape
+        or key.shape[1:] != (k_cache.shape[2], head_dim_of(k_cache)) or key.shape[1:] != value.shape[1:]
         or key.shape[0] != slot_mapping.shape[0] or value.shape[0] != slot_mapping.shape[0]
         or key.stride(2) != 1 or key.stride(1) != key.shape[2] or value.stride(2) != 1 or value.stride(1) != value.shape[2]
     ):
@@ -209,8 +246,8 @@ class NativeStep:
         T, H, D = q.shape
         kvh = k_cache.shape[2]
         if (
-            dt is not k_cache.dtype or k.dtype is not dt or v.dtype is not dt or dt not in _DTYPES or T != self.num_tokens
-            or q.stride(2) != 1 or D != k_cache.shape[3] or H % kvh or k.shape != (T, kvh, D) or v.shape != (T, kvh, D)
+            k_cache.dtype not in (dt, torch.int8) or k.dtype is not dt or v.dtype is not dt or dt not in _DTYPES
+            or T != self.num_tokens or q.stride(2) != 1 or D != head_dim_of(k_cache) or H % kvh or k.shape != (T, kvh, D) or v.shape != (T, kvh, D)
             or k.stride(2) != 1 or k.stride(1) != D or v.stride(2) != 1 or v.stride(1) != D
         ):
             return None

@@ -297,8 +297,10 @@ class DecodeProgram:
             if attn.head_dim != D:
                 raise _Unfit("decoder layers of different head sizes")
             k_cache, v_cache = self.kv_caches[attn.layer_idx]
-            if (k_cache.dtype != dtype or v_cache.dtype != dtype or not k_cache.is_contiguous() or not v_cache.is_contiguous()
-                    or tuple(k_cache.shape[2:]) != (KVH, D) or v_cache.shape != k_cache.shape or H % KVH):
+            int8_kv = k_cache.dtype == torch.int8  # rows of int8 values and their scale (kernels/kv_quant.py)
+            if (k_cache.dtype not in (dtype, torch.int8) or v_cache.dtype != k_cache.dtype or not k_cache.is_contiguous()
+                    or not v_cache.is_contiguous() or v_cache.shape != k_cache.shape or H % KVH
+                    or tuple(k_cache.shape[2:]) != (KVH, D + 4 if int8_kv else D)):
                 raise _Unfit(f"layer {i}'s KV pool {tuple(k_cache.shape)} {k_cache.dtype} does not fit {KVH} x {D}")
             window = window_getter(attn)
             windows.append((window, window()))
@@ -314,15 +316,23 @@ class DecodeProgram:
                 QKVb.data_ptr(), qkv_w, H, QKVb.data_ptr() + q_w * elem, qkv_w, KVH, self._cos, self._sin, D,
                 self._rows, D, dt, threads,
             )))
-            ops.append((attn_lib.hfp_store_kv, (
-                QKVb.data_ptr() + q_w * elem, QKVb.data_ptr() + (q_w + k_w) * elem, qkv_w * elem, qkv_w * elem,
-                k_cache.data_ptr(), v_cache.data_ptr(), self._slots, self._tokens, KVH * D * elem,
-                k_cache.shape[0] * k_cache.shape[1],
-            )))
+            if int8_kv:
+                ops.append((attn_lib.hfp_store_kv_int8, (
+                    QKVb.data_ptr() + q_w * elem, QKVb.data_ptr() + (q_w + k_w) * elem, qkv_w, qkv_w,
+                    k_cache.data_ptr(), v_cache.data_ptr(), self._slots, self._tokens, KVH, D, dt,
+                    k_cache.shape[0] * k_cache.shape[1],
+                )))
+            else:
+                ops.append((attn_lib.hfp_store_kv, (
+                    QKVb.data_ptr() + q_w * elem, QKVb.data_ptr() + (q_w + k_w) * elem, qkv_w * elem, qkv_w * elem,
+                    k_cache.data_ptr(), v_cache.data_ptr(), self._slots, self._tokens, KVH * D * elem,
+                    k_cache.shape[0] * k_cache.shape[1],
+                )))
             ops.append((attn_lib.hfp_paged_attention, (
                 QKVb.data_ptr(), qkv_w, D, k_cache.data_ptr(), v_cache.data_ptr(), self._tables, self._table_stride,
                 self._lens, self._cu, self._ids, self._num_ids, A.data_ptr(), q_w, D, H, KVH, D, k_cache.shape[1],
-                float(attn.scaling), int(windows[-1][1] or 0), 0.0, dt, self._max_q, threads,
+                float(attn.scaling), int(windows[-1][1] or 0), 0.0, dt, cpu_attention.KV_DTYPE_CODES[k_cache.dtype],
+                self._max_q, threads,
             )))
             ops.append(gemm_op(*pack_of(attn.o_proj), A, q_w, O))
             ops.append(norm_op(layer.post_attention_layernorm, O, Hn, residual=X, total=R))

@@ -82,7 +82,7 @@ class UniProcExecutor(Executor):
         try:
             self.quantized = maybe_quantize(model, cfg, self.device)
             self.pool, self.max_model_len = build_pool(model, cfg, self.device, agree)
-            self.backend = resolve_backend(cfg.attention_backend, self.device, self.pool.specs[0].dtype)
+            self.backend = resolve_backend(cfg.attention_backend, self.device, self.pool.cache_dtype)
             self.packed = maybe_prepack(model, cfg, self.device)
             self.fused = maybe_fuse(model, cfg, self.device, self.pool.specs[0].dtype)
             native_max_q = cpu_attention.MAX_Q if self.backend == "cpu" and self.pool.supports_native() else 0

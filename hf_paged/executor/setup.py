@@ -31,7 +31,7 @@ def build_pool(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, 
     group settle on one block count)."""
     if model.training:
         logger.warning("model is in training mode: dropout will make generation random; call model.eval()")
-    specs = probe_kv_layout(model)
+    specs = probe_kv_layout(model, cfg.kv_cache_dtype)
     model_max = max_positions(model)
     chunk = attention.chunked_attention_size(model)
     if chunk is not None:  # exact only up to one attention chunk (Llama 4): cap the length there
@@ -61,8 +61,9 @@ def build_pool(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, 
     num_host_blocks = cfg.swap_space // bytes_per_block
     pool = KVPool(specs, num_blocks, cfg.block_size, device, num_host_blocks)
     logger.info(
-        "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d layers); max_model_len %d; swap space %d blocks",
-        num_blocks, cfg.block_size, capacity, pool.total_bytes / 2**20, len(specs), max_model_len, num_host_blocks,
+        "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d layers, %s); max_model_len %d; swap space %d blocks",
+        num_blocks, cfg.block_size, capacity, pool.total_bytes / 2**20, len(specs), str(pool.cache_dtype).removeprefix("torch."),
+        max_model_len, num_host_blocks,
     )
     return pool, max_model_len
 
@@ -148,8 +149,8 @@ def make_fast_runner(model, cfg: EngineConfig, pool: KVPool, backend: str, max_m
         return DecodeBuckets(model, pool.kv_caches, pool.block_size, mode, cfg.decode_buckets, max_q, max_model_len,
                              block_tables)
     why = why_not(model, fused, packed)
-    if not why and (backend != "cpu" or not pool.supports_native() or not cpu_attention.available(pool.specs[0].dtype)):
-        why = f"it needs the native CPU attention (backend {backend!r}, {cpu_attention.unavailable_reason(pool.specs[0].dtype) or 'pool layout'})"
+    if not why and (backend != "cpu" or not pool.supports_native() or not cpu_attention.available(pool.cache_dtype)):
+        why = f"it needs the native CPU attention (backend {backend!r}, {cpu_attention.unavailable_reason(pool.cache_dtype) or 'pool layout'})"
     program = None
     if not why:
         program = DecodeProgram(model, pool.kv_caches, min(cfg.max_num_seqs * cpu_attention.MAX_Q, cfg.max_num_batched_tokens))

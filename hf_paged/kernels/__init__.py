@@ -16,6 +16,7 @@ import os
 import torch
 
 from hf_paged.cpu import attention as cpu_attention
+from hf_paged.kernels.kv_quant import head_dim_of
 from hf_paged.kernels.torch_attention import TorchAttentionPlan, paged_attention_torch, store_kv_torch
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -70,6 +71,8 @@ def _check_cache(name: str, cache: torch.Tensor, ref: torch.Tensor) -> None:
         raise ValueError(f"expected {name} of shape [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(cache.shape)}")
     if cache.device != ref.device:
         raise ValueError(f"expected {name} on {ref.device}, got {cache.device}")
+    if cache.dtype == torch.int8 and (cache.shape[3] <= 4 or cache.shape[3] % 4):
+        raise ValueError(f"expected an int8 {name} of rows of head_dim + 4 bytes (a multiple of 4), got {tuple(cache.shape)}")
 
 
 def store_kv(
@@ -91,9 +94,9 @@ def store_kv(
         backend: "auto", "torch", "cpu" or "triton".
     """
     _check_cache("k_cache", k_cache, key)
-    if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]:
+    if key.shape != value.shape or key.shape[1:] != (k_cache.shape[2], head_dim_of(k_cache)):
         raise ValueError(
-            f"expected key/value of shape [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}], "
+            f"expected key/value of shape [num_tokens, {k_cache.shape[2]}, {head_dim_of(k_cache)}], "
             f"got {tuple(key.shape)} and {tuple(value.shape)}"
         )
     if slot_mapping.shape != key.shape[:1]:
@@ -154,9 +157,9 @@ def paged_attention(
         ``[num_tokens, num_heads, head_dim]`` in the query's dtype.
     """
     _check_cache("k_cache", k_cache, query)
-    if query.dim() != 3 or query.shape[2] != k_cache.shape[3] or query.shape[1] % k_cache.shape[2]:
+    if query.dim() != 3 or query.shape[2] != head_dim_of(k_cache) or query.shape[1] % k_cache.shape[2]:
         raise ValueError(
-            f"expected query of shape [num_tokens, k*{k_cache.shape[2]}, {k_cache.shape[3]}], got {tuple(query.shape)}"
+            f"expected query of shape [num_tokens, k*{k_cache.shape[2]}, {head_dim_of(k_cache)}], got {tuple(query.shape)}"
         )
     if block_tables.dim() != 2 or cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
         raise ValueError(

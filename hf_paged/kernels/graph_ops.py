@@ -75,7 +75,8 @@ def static_paged_attention(
         )
     store_kv_torch(key, value, k_cache, v_cache, slot_mapping, has_padding=True)
     out = torch.zeros_like(query)
-    native = cpu_attention.MAX_Q if cpu_attention.supports(query, k_cache) and cpu_attention.available(query.dtype) else 0
+    native = cpu_attention.MAX_Q if (cpu_attention.supports(query, k_cache) and cpu_attention.available(query.dtype)
+                                    and cpu_attention.available(k_cache.dtype)) else 0
     num_real, rows, longest, plan = _cpu_plan(block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1], native)
     if num_real == 0:
         return out

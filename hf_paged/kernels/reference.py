@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_paged.kernels.kv_quant import dequantize_cache, is_int8, quantize_rows
+
 
 def store_kv_reference(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -13,6 +15,8 @@ def store_kv_reference(
     slot_mapping: torch.Tensor,  # [num_tokens], -1 = skip
 ) -> None:
     block_size = k_cache.shape[1]
+    if is_int8(k_cache):
+        key, value = quantize_rows(key), quantize_rows(value)
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
@@ -33,7 +37,9 @@ def paged_attention_reference(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Attention of each query token over its own sequence's cached keys, causal, in fp32."""
+    """Attention of each query token over its own sequence's cached keys, causal, in fp32 (an int8 pool is
+    dequantized first)."""
+    k_cache, v_cache = dequantize_cache(k_cache), dequantize_cache(v_cache)
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.cpu.attention import paged_attention_native
+from hf_paged.kernels.kv_quant import dequantize_rows, is_int8, quantize_rows
 
 
 def store_kv_torch(
@@ -38,6 +39,8 @@ def store_kv_torch(
     if has_padding:
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
+    if is_int8(k_cache):  # rows of int8 values and their scale (hf_paged/kernels/kv_quant.py)
+        key, value = quantize_rows(key), quantize_rows(value)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
 
@@ -220,12 +223,13 @@ def paged_attention_torch(
     softcap: float | None = None,
     plan: TorchAttentionPlan | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]  # head_dim + 4 (the scale) for an int8 pool
     if plan is None:
         plan = TorchAttentionPlan.build(block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1])
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     T, H, D = query.shape
+    quantized = is_int8(k_cache)
     out = None
     if plan.native_seq_ids is not None:
         out = query.new_empty(T, H, D)
@@ -238,6 +242,8 @@ def paged_attention_torch(
         slots = g.kv_slots.view(-1)
         k = k_flat.index_select(0, slots).view(G, g.max_k, num_kv_heads, head_dim)
         v = v_flat.index_select(0, slots).view(G, g.max_k, num_kv_heads, head_dim)
+        if quantized:  # int8 rows: dequantize the gathered keys and values only
+            k, v = dequantize_rows(k, query.dtype), dequantize_rows(v, query.dtype)
         if g.q_rows is None:
             q = query.reshape(G, g.max_q, H, D)
         else:

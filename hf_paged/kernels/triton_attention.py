@@ -20,12 +20,14 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from hf_paged.kernels.kv_quant import head_dim_of
+
 from hf_paged.kernels.triton_decode import decode_kernel, reduce_splits_kernel
 from hf_paged.kernels.triton_store import store_kv_kernel
 from hf_paged.kernels.triton_varlen import varlen_kernel
 
 MAX_HEAD_DIM = 256
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)  # int8: rows + scale (kv_quant.py)
 MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in setup and reduce than it saves
 MAX_SPLITS = 32
 INTERPRETER_NUM_SMS = 4  # stands in for the device's SM count under TRITON_INTERPRET=1
@@ -54,11 +56,13 @@ def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> TileConfig:
     return TileConfig(block_m=max(16, triton.next_power_of_2(group)), tile_n=tile_n, num_warps=4, num_stages=2)
 
 
-def varlen_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dtype) -> TileConfig:
+def varlen_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dtype, kv_int8: bool = False) -> TileConfig:
     """Prefill is bound by compute: 128 query rows per program (8 warps) when there are enough of them,
     64 otherwise; smaller tiles for head_dim 256 and for fp32 (whose "ieee" dot runs on FMA units, in
     registers). Chosen so no configuration spills registers or needs more than ~100 KB of shared memory
-    (checked by compiling for sm_80/sm_90 in tests/test_triton_kernels.py)."""
+    (checked by compiling for sm_80/sm_90 in tests/test_triton_kernels.py). An int8 pool's dequantized tiles
+    take registers of their own: 8 warps share them, and head_dim 256 takes 16 keys a tile (compiled for sm_80,
+    head_dim 80 with softcap spilled at 4 warps, also with 32 keys; head_dim 256 spilled at 32 keys)."""
     wide = head_dim_pad(head_dim) > 128
     if dtype == torch.float32:
         block_m, tile_n, num_warps = (32, 16, 8) if wide else (64, 32, 8)
@@ -68,6 +72,8 @@ def varlen_config(head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dty
         block_m, tile_n, num_warps = 128, 64, 8
     else:
         block_m, tile_n, num_warps = 64, 64, 4
+    if kv_int8 and dtype != torch.float32:
+        tile_n, num_warps = (16, num_warps) if wide else (tile_n, 8)
     return TileConfig(
         block_m=max(block_m, triton.next_power_of_2(group)), tile_n=tile_n, num_warps=num_warps, num_stages=2
     )
@@ -114,12 +120,21 @@ def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
     if k_cache.dtype not in DTYPES:
         raise ValueError(f"the Triton kernels support caches in {DTYPES}, got {k_cache.dtype}")
-    if k_cache.shape[3] > MAX_HEAD_DIM:
-        raise ValueError(f"the Triton kernels support head_dim <= {MAX_HEAD_DIM}, got {k_cache.shape[3]}")
+    if head_dim_of(k_cache) > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton kernels support head_dim <= {MAX_HEAD_DIM}, got {head_dim_of(k_cache)}")
+    if k_cache.dtype == torch.int8 and (k_cache.stride(3) != 1 or k_cache.shape[3] % 4 or any(s % 4 for s in k_cache.stride()[:3])):
+        raise ValueError(f"expected an int8 pool of rows of head_dim + 4 bytes, contiguous, got {tuple(k_cache.shape)}")
 
 
 def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int, int]:
     return cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3)
+
+
+def _scale_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 views of int8 pools (where the kernels find each row's scale); the pools themselves otherwise."""
+    if k_cache.dtype != torch.int8:
+        return k_cache, v_cache
+    return k_cache.view(torch.float32), v_cache.view(torch.float32)
 
 
 def store_kv_triton(
@@ -140,10 +155,11 @@ def store_kv_triton(
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // d_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     store_kv_kernel[grid](
-        key, value, k_cache, v_cache, slot_mapping.contiguous(),
+        key, value, k_cache, v_cache, *_scale_views(k_cache, v_cache), slot_mapping.contiguous(),
         num_kv_heads,
         *key.stride(), *value.stride(), *_cache_strides(k_cache), *_cache_strides(v_cache),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_H=block_h,
+        KV_INT8=k_cache.dtype == torch.int8,
     )
 
 
@@ -169,8 +185,8 @@ def paged_attention_triton(
     """
     _check_device(query)
     _check_cache_pair(k_cache, v_cache)
-    if k_cache.dtype != query.dtype:
-        raise ValueError(f"expected query in the cache dtype {k_cache.dtype}, got {query.dtype}")
+    if k_cache.dtype not in (query.dtype, torch.int8) or query.dtype not in DTYPES[:3]:
+        raise ValueError(f"expected query in the cache dtype {k_cache.dtype} (or any float over an int8 pool), got {query.dtype}")
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
         _check_index(name, t, query.device)
     if sliding_window is not None and sliding_window < 1:
@@ -211,8 +227,9 @@ def _strides(query, k_cache, v_cache, block_tables, out) -> tuple[int, ...]:
 def _constexprs(
     query: torch.Tensor, k_cache: torch.Tensor, cfg: TileConfig, use_softcap: bool, use_window: bool
 ) -> dict:
-    num_heads, num_kv_heads, head_dim = query.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_heads, num_kv_heads, head_dim = query.shape[1], k_cache.shape[2], query.shape[2]
     return dict(
+        KV_INT8=k_cache.dtype == torch.int8,
         GROUP=num_heads // num_kv_heads,
         BLOCK_M=cfg.block_m,
         BLOCK_SIZE=k_cache.shape[1],
@@ -244,7 +261,8 @@ def _launch_decode(
     else:
         part_out = part_m = part_l = out  # unused
     decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, part_out, part_m, part_l, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+        out, part_out, part_m, part_l, query, k_cache, v_cache, *_scale_views(k_cache, v_cache), block_tables, seq_lens,
+        cu_seqlens_q,
         num_splits, split_size, scale, softcap, sliding_window, *_strides(query, k_cache, v_cache, block_tables, out),
         SPLIT=split, **_constexprs(query, k_cache, cfg, use_softcap, use_window),
     )
@@ -263,12 +281,12 @@ def _launch_varlen(
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    cfg = varlen_config(head_dim, group, max_seqlen_q, query.dtype)
+    cfg = varlen_config(head_dim, group, max_seqlen_q, query.dtype, k_cache.dtype == torch.int8)
     block_q = cfg.block_m // group
     # sequence s owns program ids from cu_seqlens_q[s] // block_q + s; see triton_varlen.py
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     varlen_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+        out, query, k_cache, v_cache, *_scale_views(k_cache, v_cache), block_tables, seq_lens, cu_seqlens_q,
         num_seqs, scale, softcap, sliding_window, *_strides(query, k_cache, v_cache, block_tables, out),
         BLOCK_Q=block_q, **_constexprs(query, k_cache, cfg, use_softcap, use_window),
     )

@@ -7,6 +7,9 @@ straddle blocks). Loads past ``hi`` are masked: unused cache entries (the tail o
 block table's padding) are never read.
 
 Scores are kept in base 2 (``qk * scale * log2(e)``) so the softmax uses ``exp2``.
+
+With ``KV_INT8`` the pool holds int8 rows ending with their fp32 scale (``hf_paged/kernels/kv_quant.py``): the
+tile's values are dequantized in registers, and the scales are read through fp32 views of the same pools.
 """
 
 from __future__ import annotations
@@ -28,13 +31,15 @@ def attend_key_range(
     acc,  # [BLOCK_M, HEAD_DIM_PAD] fp32, unnormalized output
     m_i,  # [BLOCK_M] fp32, running max of the base-2 scores
     l_i,  # [BLOCK_M] fp32, running softmax denominator
-    q,  # [BLOCK_M, HEAD_DIM_PAD] in the cache dtype (padded head_dim lanes are 0)
+    q,  # [BLOCK_M, HEAD_DIM_PAD] in the cache dtype, the query's for int8 (padded head_dim lanes are 0)
     q_pos,  # [BLOCK_M] int32, absolute position of each query row in its sequence
     lo,  # first key position to visit
     hi,  # one past the last key position to visit (<= seq_len)
     block_table_ptr,  # [max_blocks] this sequence's row of block_tables
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (int8: head_dim + 4)
+    k_scale_ptr,  # KV_INT8: k_cache viewed as fp32, [num_blocks, block_size, num_kv_heads, (head_dim + 4) / 4]
+    v_scale_ptr,  # KV_INT8: the same view of v_cache
     kv_head,
     stride_kc_block, stride_kc_offset, stride_kc_head, stride_kc_dim,
     stride_vc_block, stride_vc_offset, stride_vc_head, stride_vc_dim,
@@ -48,6 +53,7 @@ def attend_key_range(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -71,6 +77,12 @@ def attend_key_range(
             mask=k_valid[:, None] & d_mask[None, :],
             other=0.0,
         )  # [TILE_N, HEAD_DIM_PAD]
+        if KV_INT8:
+            # -- dequantize: each row's scale sits right after its values (an fp32 at element (row + HEAD_DIM) / 4) --
+            k_scale = tl.load(k_scale_ptr + (k_rows + HEAD_DIM) // 4, mask=k_valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + (v_rows + HEAD_DIM) // 4, mask=k_valid, other=0.0)
+            k = (k.to(tl.float32) * k_scale[None, :]).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
 
         # -- compute qk (base 2), softcap, mask --
         s = tl.dot(q, k, input_precision=DOT_PRECISION)

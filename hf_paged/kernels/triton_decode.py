@@ -23,7 +23,9 @@ def decode_kernel(
     part_l_ptr,  # [num_seqs, num_heads, num_splits] fp32, softmax denominator (SPLIT only)
     query_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (int8 pool: head_dim + 4, see kv_quant.py)
+    k_scale_ptr,  # KV_INT8: k_cache viewed as fp32 (the rows' scales); else unused
+    v_scale_ptr,  # KV_INT8: v_cache viewed as fp32
     block_tables_ptr,  # [num_seqs, max_blocks]
     seq_lens_ptr,  # [num_seqs]
     cu_seqlens_q_ptr,  # [num_seqs + 1]; every sequence owns 0 or 1 query row
@@ -47,6 +49,7 @@ def decode_kernel(
     USE_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr,  # the pool holds int8 rows with their scale; q stays in the query dtype
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,7 +77,9 @@ def decode_kernel(
         + heads[:, None] * stride_q_head + offs_d[None, :] * stride_q_dim,
         mask=row_valid[:, None] & d_mask[None, :],
         other=0.0,
-    ).to(k_cache_ptr.dtype.element_ty)
+    )
+    if not KV_INT8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -82,11 +87,11 @@ def decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = attend_key_range(
         acc, m_i, l_i, q, q_pos, lo, hi,
-        block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, k_cache_ptr, v_cache_ptr, kv_head,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
         stride_kc_block, stride_kc_offset, stride_kc_head, stride_kc_dim,
         stride_vc_block, stride_vc_offset, stride_vc_head, stride_vc_dim,
         scale, softcap, sliding_window,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_INT8,
     )
 
     store_mask = row_valid[:, None] & d_mask[None, :]

@@ -37,7 +37,9 @@ def varlen_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     query_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (int8 pool: head_dim + 4, see kv_quant.py)
+    k_scale_ptr,  # KV_INT8: k_cache viewed as fp32 (the rows' scales); else unused
+    v_scale_ptr,  # KV_INT8: v_cache viewed as fp32
     block_tables_ptr,  # [num_seqs, max_blocks]
     seq_lens_ptr,  # [num_seqs]
     cu_seqlens_q_ptr,  # [num_seqs + 1]
@@ -60,6 +62,7 @@ def varlen_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr,  # the pool holds int8 rows with their scale; q stays in the query dtype
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -86,7 +89,9 @@ def varlen_kernel(
         query_ptr + tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head + offs_d[None, :] * stride_q_dim,
         mask=io_mask,
         other=0.0,
-    ).to(k_cache_ptr.dtype.element_ty)
+    )
+    if not KV_INT8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
     q_pos = context_len + q_idx
 
     # keys this tile can see: causal up to its last token, window back from its first
@@ -100,11 +105,11 @@ def varlen_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = attend_key_range(
         acc, m_i, l_i, q, q_pos, lo, hi,
-        block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, k_cache_ptr, v_cache_ptr, kv_head,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
         stride_kc_block, stride_kc_offset, stride_kc_head, stride_kc_dim,
         stride_vc_block, stride_vc_offset, stride_vc_head, stride_vc_dim,
         scale, softcap, sliding_window,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_INT8,
     )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

@@ -83,7 +83,7 @@ class DraftModelProposer:
             _check_compatible(target, draft, max_model_len)
             model_patches.acquire_attention(draft)
             try:
-                specs = probe_kv_layout(draft)
+                specs = probe_kv_layout(draft, runner.pool.kv_cache_dtype)  # the target's pool format
                 self.pool = KVPool(specs, runner.pool.num_blocks, runner.pool.block_size, runner.pool.device)
             except BaseException:
                 model_patches.release_attention(draft)

@@ -17,18 +17,21 @@
  *
  * Layouts (element strides where noted):
  *   query      [num_tokens, num_heads, head_dim]        strides q_stride_t, q_stride_h, 1
- *   k/v_cache  [num_blocks, block_size, num_kv_heads, head_dim]  contiguous
+ *   k/v_cache  [num_blocks, block_size, num_kv_heads, head_dim]  contiguous, in kv_dtype; an int8 pool
+ *              (DT_I8) has rows of head_dim + 4 bytes: the int8 values, then their fp32 scale, dequantized
+ *              row by row into fp32 as the blocks are read (hf_paged/kernels/kv_quant.py has the format)
  *   out        [num_tokens, num_heads, head_dim]        strides o_stride_t, o_stride_h, 1
  *   block_tables [num_seqs, bt_stride] int32; seq_lens [num_seqs] int32; cu_seqlens_q [num_seqs + 1] int32
  *   seq_ids    [n_seq_ids] int32: the sequences this call processes
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_I8 = 3 };
 
 static inline uint16_t f32_to_bf16(float f) {
     union { uint32_t u; float f; } v;
@@ -41,7 +44,14 @@ static inline uint16_t f32_to_bf16(float f) {
 /* Convert n elements starting at element index idx of a tensor of dtype dt into dst (fp32). */
 static inline const float* load_row(const void* base, int64_t idx, int n, int dt, float* dst) {
     if (dt == DT_F32) return (const float*)base + idx;
-    if (dt == DT_BF16) {
+    if (dt == DT_I8) {
+        /* an int8 pool row: the values, then their fp32 scale */
+        const int8_t* p = (const int8_t*)base + idx;
+        float scale;
+        memcpy(&scale, p + n, sizeof scale);
+#pragma omp simd
+        for (int d = 0; d < n; ++d) dst[d] = (float)p[d] * scale;
+    } else if (dt == DT_BF16) {
         /* bf16 is the top half of an fp32: widen the bits (vectorizes to shifts) */
         const uint16_t* p = (const uint16_t*)base + idx;
         uint32_t* u = (uint32_t*)dst;
@@ -353,7 +363,7 @@ int hfp_paged_attention(
     const int32_t* seq_ids, int n_seq_ids,
     void* out, int64_t o_stride_t, int64_t o_stride_h,
     int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, int window, float softcap, int dtype, int max_q, int num_threads)
+    float scale, int window, float softcap, int dtype, int kv_dtype, int max_q, int num_threads)
 {
     const int rep = num_heads / num_kv_heads;
     /* A work item is one sequence with all its heads, so a block is read front to back (the hardware
@@ -362,8 +372,10 @@ int hfp_paged_attention(
     const int heads_per_item = num_kv_heads / splits;
     const int max_rows = heads_per_item * rep * max_q;
     const int64_t n_items = (int64_t)n_seq_ids * splits;
-    const int64_t tok_stride = (int64_t)num_kv_heads * head_dim; /* elements between consecutive slots */
-    const size_t block_bytes = (size_t)block_size * tok_stride * (dtype == DT_F32 ? 4 : 2);
+    const int kv_row = kv_dtype == DT_I8 ? head_dim + 4 : head_dim; /* elements of one (slot, KV head) row */
+    const int64_t tok_stride = (int64_t)num_kv_heads * kv_row; /* elements between consecutive slots */
+    const size_t elem = kv_dtype == DT_F32 ? 4 : kv_dtype == DT_I8 ? 1 : 2;
+    const size_t block_bytes = (size_t)block_size * tok_stride * elem;
     int failed = 0;
     /* Few items for the threads (one or two long sequences: a batch-1 decode, a prompt chunk at long
      * context): each item's keys are split into `parts` ranges of at least PART_BLOCKS blocks, computed as
@@ -410,12 +422,11 @@ int hfp_paged_attention(
         float* kbuf = sc + (size_t)max_rows * block_size;
         float* vbuf = kbuf + (size_t)block_size * head_dim;
         uint16_t* qbf = (uint16_t*)(vbuf + (size_t)block_size * head_dim);
-        const int bf16_dot = HAVE_DPBF16 && dtype == DT_BF16 && head_dim % 32 == 0;
+        const int bf16_dot = HAVE_DPBF16 && dtype == DT_BF16 && kv_dtype == DT_BF16 && head_dim % 32 == 0;
         /* AVX-512 and bf16: scores sixteen keys at a time (dot16), values accumulated for all the rows of a KV
          * head at once from the cache rows in place (accumulate_grouped). fp32 keeps the row-by-row path: the
          * grouped one computes faster with the pool in cache but measured slower with it in DRAM (Zen 5). */
-        const int grouped = VW == 16 && head_dim % 16 == 0 && dtype == DT_BF16;
-        const size_t elem = dtype == DT_F32 ? 4 : 2;
+        const int grouped = VW == 16 && head_dim % 16 == 0 && dtype == DT_BF16 && kv_dtype == DT_BF16;
 
         /* items taken one at a time; while a thread finishes one it fetches the first block of item it + nthr, the
          * one it most likely takes next (Zen 5, 64 sequences x ~100 keys, bf16: 0.23 -> 0.19 ms a layer; dealing
@@ -464,7 +475,7 @@ int hfp_paged_attention(
                 const int64_t block = block_tables[(int64_t)s * bt_stride + jb];
                 const int t0 = jb * block_size;
                 const int nt = seq_len - t0 < block_size ? seq_len - t0 : block_size;
-                const int64_t base = block * block_size * tok_stride + (int64_t)h_lo * head_dim;
+                const int64_t base = block * block_size * tok_stride + (int64_t)h_lo * kv_row;
                 /* the next block lies elsewhere in the pool: fetch it a few lines per row while this one computes
                  * (all at once would stall on the full miss queue instead) */
                 const char *pf_k = NULL, *pf_v = NULL;
@@ -488,11 +499,11 @@ int hfp_paged_attention(
                 for (int hh = 0; hh < heads_per_item; ++hh) {
                     // -- this KV head's keys and values in the block, as fp32 rows (or in place) --
                     for (int t = 0; t < nt; ++t) {
-                        const int64_t idx = base + t * tok_stride + (int64_t)hh * head_dim;
+                        const int64_t idx = base + t * tok_stride + (int64_t)hh * kv_row;
                         if (bf16_dot) kr[t] = (const uint16_t*)k_cache + idx;
-                        else kp[t] = load_row(k_cache, idx, head_dim, dtype, kbuf + (size_t)t * head_dim);
+                        else kp[t] = load_row(k_cache, idx, head_dim, kv_dtype, kbuf + (size_t)t * head_dim);
                         if (grouped) vr[t] = (const char*)v_cache + idx * elem;
-                        else vp[t] = load_row(v_cache, idx, head_dim, dtype, vbuf + (size_t)t * head_dim);
+                        else vp[t] = load_row(v_cache, idx, head_dim, kv_dtype, vbuf + (size_t)t * head_dim);
                     }
                     const int r0 = hh * q_len * rep, r1 = r0 + q_len * rep;
                     for (int r = r0; r < r1; ++r) {
@@ -570,7 +581,7 @@ int hfp_paged_attention(
                         float* accs[r1 - r0];
                         const float* ws[r1 - r0];
                         for (int r = r0; r < r1; ++r) accs[r - r0] = acc + (size_t)r * head_dim, ws[r - r0] = sc + (size_t)r * block_size;
-                        accumulate_grouped(accs, ws, vr, nt, head_dim, r1 - r0, dtype == DT_BF16);
+                        accumulate_grouped(accs, ws, vr, nt, head_dim, r1 - r0, 1);
                     }
 #endif
                 }
@@ -647,6 +658,45 @@ int hfp_store_kv(const char* k, const char* v, int64_t k_row_stride, int64_t v_r
         if (slot < 0) continue;
         memcpy(k_cache + slot * row_bytes, k + i * k_row_stride, (size_t)row_bytes);
         memcpy(v_cache + slot * row_bytes, v + i * v_row_stride, (size_t)row_bytes);
+    }
+    return 0;
+}
+
+/* hfp_store_kv for an int8 pool: each (token, KV head) row of k/v (dtype dt, head_dim contiguous values, the
+ * heads head_dim apart, tokens k/v_row_stride elements apart) is quantized symmetrically to int8 with its fp32
+ * scale absmax / 127, q = clamp(floor(x / scale + 1/2), -127, 127), exactly as kv_quant.quantize_rows does, and
+ * written with the scale after the values (rows of head_dim + 4 bytes). -1 and nothing written if a slot is
+ * past the pool. */
+int hfp_store_kv_int8(const void* k, const void* v, int64_t k_row_stride, int64_t v_row_stride,
+                      int8_t* k_cache, int8_t* v_cache, const int64_t* slots, int64_t n_tokens,
+                      int num_kv_heads, int head_dim, int dt, int64_t n_slots)
+{
+    for (int64_t i = 0; i < n_tokens; ++i)
+        if (slots[i] >= n_slots) return -1; /* nothing written */
+    const int row = head_dim + 4;
+    float buf[head_dim];
+    for (int64_t i = 0; i < n_tokens; ++i) {
+        const int64_t slot = slots[i];
+        if (slot < 0) continue;
+        for (int kv = 0; kv < 2; ++kv) {
+            const void* src = kv ? v : k;
+            int8_t* dst = (kv ? v_cache : k_cache) + slot * num_kv_heads * row;
+            for (int h = 0; h < num_kv_heads; ++h, dst += row) {
+                const float* x = load_row(src, i * (kv ? v_row_stride : k_row_stride) + (int64_t)h * head_dim, head_dim, dt, buf);
+                float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+                for (int d = 0; d < head_dim; ++d) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+                const float scale = amax / 127.0f;
+                const float div = scale > FLT_MIN ? scale : FLT_MIN;
+#pragma omp simd
+                for (int d = 0; d < head_dim; ++d) {
+                    float q = floorf(x[d] / div + 0.5f);
+                    q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+                    dst[d] = (int8_t)q;
+                }
+                memcpy(dst + head_dim, &scale, sizeof scale);
+            }
+        }
     }
     return 0;
 }
