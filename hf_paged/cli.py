@@ -13,58 +13,10 @@ import os
 import sys
 import time
 
+from hf_paged.cli_engine import build_engine
 from hf_paged.cli_checks import (  # noqa: F401 - _chat_messages re-exported
     UsageError, _chat_messages, check_model_folder, check_port, read_conversations,
 )
-
-
-def _load(args):
-    from hf_paged.default_model import load_default, load_model
-
-    quantization = getattr(args, "quantization", None)
-    try:
-        if args.model:
-            if quantization == "gguf":
-                raise UsageError("--quantization gguf keeps the default model's GGUF weights as stored; with --model "
-                                 "use int8 or int4 (or hf_paged.load_gguf(path) for a GGUF file)")
-            return load_model(args.model, dtype=args.dtype)
-        return load_default(dtype=args.dtype, quantized=quantization == "gguf")
-    except (OSError, ImportError) as e:  # a folder transformers cannot read, a missing package: one line
-        raise UsageError(" ".join(str(e).split()) or type(e).__name__) from e
-
-
-def _engine_options(args) -> dict:
-    """Engine keywords from the flags: --quantization int8/int4 (gguf is a way of loading, see _load),
-    --kv-cache-dtype and --tensor-parallel-size."""
-    q = getattr(args, "quantization", None)
-    out = {"quantization": q} if q in ("int8", "int4") else {}
-    kv = getattr(args, "kv_cache_dtype", "auto")
-    if kv != "auto":
-        out["kv_cache_dtype"] = kv
-    tp = getattr(args, "tensor_parallel_size", 1)
-    if tp != 1:
-        if q == "gguf":
-            raise UsageError("--quantization gguf cannot be used with --tensor-parallel-size > 1")
-        out["tensor_parallel_size"] = tp
-    return out
-
-
-def _engine(args, **config):
-    """``(engine, tokenizer)`` for the command's flags. With --tensor-parallel-size N every rank loads the folder
-    (the default model's too) and keeps its shard; under torchrun, ranks other than 0 serve as workers here and
-    exit when rank 0 is done."""
-    from hf_paged import PagedGenerator
-    from hf_paged.default_model import default_model_path
-
-    config.update(_engine_options(args))
-    if config.get("tensor_parallel_size", 1) > 1:
-        from transformers import AutoTokenizer
-
-        path = args.model or str(default_model_path())
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        return PagedGenerator.from_pretrained(path, tokenizer, dtype=args.dtype, **config), tokenizer
-    model, tokenizer = _load(args)
-    return PagedGenerator(model, tokenizer, **config), tokenizer
 
 
 def _params(args):
@@ -94,7 +46,7 @@ def _as_prompt(tokenizer, text: str, raw: bool):
 def cmd_generate(args) -> int:
     params = _params(args)
     check_model_folder(args.model)
-    engine, tokenizer = _engine(args, max_num_seqs=max(8, len(args.prompts)))
+    engine, tokenizer = build_engine(args, max_num_seqs=max(8, len(args.prompts)))
     prompts = [_as_prompt(tokenizer, p, args.raw) for p in args.prompts]
     if len(prompts) == 1:
         for delta in engine.stream(prompts[0], params):
@@ -111,7 +63,7 @@ def cmd_batch(args) -> int:
     params = _params(args)
     check_model_folder(args.model)
     conversations = read_conversations(args.file)
-    engine, tokenizer = _engine(args, max_num_seqs=len(conversations))
+    engine, tokenizer = build_engine(args, max_num_seqs=len(conversations))
     prompts = [
         tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
         for m in conversations
@@ -187,7 +139,7 @@ def _engine_loop(args, max_num_seqs: int):
         config["max_model_len"] = args.max_model_len
     if getattr(args, "speculative_config", None):
         config["speculative_config"] = args.speculative_config
-    engine, tokenizer = _engine(args, **config)
+    engine, tokenizer = build_engine(args, **config)
     return AsyncPagedEngine(engine, max_waiting_requests=args.max_waiting_requests), tokenizer
 
 

@@ -12,6 +12,7 @@ import socket
 import pytest
 
 from hf_paged import cli
+from hf_paged import cli_engine
 from hf_paged.cli import main
 from hf_paged.default_model import load_model
 from tests.helpers import make_model
@@ -21,10 +22,11 @@ from tests.helpers import make_model
 def no_loading(monkeypatch):
     """Fail the test if a command gets as far as loading a model."""
 
-    def refuse(args):
+    def refuse(args, **config):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(cli, "_load", refuse)
+    monkeypatch.setattr(cli, "build_engine", refuse)  # every command's engine (one process or tensor-parallel)
+    monkeypatch.setattr(cli_engine, "load", refuse)
 
 
 def one_error_line(capsys) -> str:

@@ -292,19 +292,22 @@ def test_bad_kv_cache_dtype_raises_value_error_naming_the_choices(value):
 @pytest.mark.parametrize("argv", [["generate", "hi"], ["batch", "f.jsonl"], ["serve"], ["chat"], ["bench", "chat"]])
 def test_cli_kv_cache_dtype_reaches_the_engine_options(argv):
     from hf_paged import cli
+    from hf_paged.cli_engine import engine_options
 
     parser = cli.build_parser()
-    assert cli._quantization(parser.parse_args(argv)) == {}
+    assert engine_options(parser.parse_args(argv)) == {}
     args = parser.parse_args([*argv, "--kv-cache-dtype", "int8"])
     assert args.kv_cache_dtype == "int8"
     if argv[0] != "bench":
-        assert cli._quantization(args) == {"kv_cache_dtype": "int8"}
+        assert engine_options(args) == {"kv_cache_dtype": "int8"}
+        args = parser.parse_args([*argv, "--kv-cache-dtype", "int8", "--tensor-parallel-size", "2"])
+        assert engine_options(args) == {"kv_cache_dtype": "int8", "tensor_parallel_size": 2}
 
 
 def test_cli_rejects_other_kv_cache_dtypes_and_workloads(capsys, monkeypatch):
     from hf_paged import cli
 
-    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("loaded a model before checking the input"))
+    monkeypatch.setattr(cli, "build_engine", lambda args, **kw: pytest.fail("loaded a model before checking the input"))
     assert cli.main(["generate", "hi", "--kv-cache-dtype", "fp8"]) == 2
     assert re.search(r"invalid choice: 'fp8' \(choose from '?auto'?, '?int8'?\)", capsys.readouterr().err)
     assert cli.main(["bench", "prefix", "--kv-cache-dtype", "int8"]) == 2

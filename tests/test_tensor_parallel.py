@@ -351,3 +351,17 @@ def test_a_ray_replica_spec_builds_a_tensor_parallel_engine(tmp_path):
     finally:
         loop.shutdown()
         loop.engine.close()
+
+
+def test_int8_kv_cache_under_tensor_parallelism():
+    """Each rank's pool stores its KV heads as int8 rows with their scales: the same tokens as one process's int8
+    pool (unpaced, so both chunk the prompts alike)."""
+    model = make_model("llama")
+    prompts = make_prompts(4, [5, 17, 60, 90], seed=4)
+    got = {}
+    for tp in (1, 2):
+        engine = PagedGenerator(model, tensor_parallel_size=tp, num_blocks=64, kv_cache_dtype="int8", max_itl_ratio=None)
+        assert engine.pool.cache_dtype == torch.int8
+        got[tp] = _tokens(engine.generate(prompts, GREEDY, use_tqdm=False))
+        engine.close()
+    assert got[2] == got[1]

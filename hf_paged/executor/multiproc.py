@@ -19,15 +19,11 @@ workers the engine spawns also die with their parent (Linux ``PR_SET_PDEATHSIG``
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import datetime
 import logging
 import multiprocessing.connection
 import os
-import re
-import signal
-import socket
 import time
 import traceback
 import weakref
@@ -39,14 +35,13 @@ import torch.multiprocessing as mp
 from hf_paged.config import EngineConfig
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from hf_paged.executor.executor import Executor, UniProcExecutor
+from hf_paged.executor.process_group import (  # noqa: F401 - TensorParallelError re-exported
+    TensorParallelError, die_with_parent, free_port, init_group, launched, rank_places,
+)
 from hf_paged.executor.shard_loading import ModelSource
 from hf_paged.executor.tensor_parallel import check_shardable
 
 logger = logging.getLogger(__name__)
-
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank failed: the engine's ranks are shut down and every later step fails."""
 
 
 def worker_config(cfg: EngineConfig) -> EngineConfig:
@@ -101,38 +96,6 @@ def build_rank(source: ModelSource, cfg: EngineConfig, rank: int, world: int) ->
     return executor
 
 
-def _init_group(rank: int, world: int, init_method: str, timeout_s: float, device: torch.device,
-                store=None, wait_joined=None, announce: bool = False) -> None:
-    """``init_process_group`` (gloo on CPU, NCCL on CUDA). Ranks the engine spawned meet at rank 0's TCP store
-    (``store``) and each says it joined (``announce``) before the group forms, so rank 0 (``wait_joined``:
-    waits for them, watching the processes) fails fast when one dies on the way instead of waiting out the
-    timeout. Under torchrun every rank goes through ``init_method``."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL collectives (and object broadcasts) run on the rank's own GPU
-    timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        if announce:  # a spawned worker: join rank 0's store, say so
-            host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
-            store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timeout)
-            store.set(f"hf_paged/joined/{rank}", "1")
-        if wait_joined is not None:
-            wait_joined()
-        if store is not None:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        else:
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
-    except TensorParallelError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise TensorParallelError(f"rank {rank}: joining the process group at {init_method} failed: {type(e).__name__}: {e}") from e
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):  # Linux only: SIGKILL this process when its parent dies
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def run_worker(source: ModelSource, cfg: EngineConfig, rank: int, world: int, init_method: str,
                timeout_s: float, conn=None) -> None:
     """A worker rank: join the group, build its shard and pool, then run every step rank 0 broadcasts until
@@ -140,7 +103,7 @@ def run_worker(source: ModelSource, cfg: EngineConfig, rank: int, world: int, in
     executor = None
     try:
         device = source.rank_device(rank)
-        _init_group(rank, world, init_method, timeout_s, device, announce=conn is not None)
+        init_group(rank, world, init_method, timeout_s, device, announce=conn is not None)
         executor = build_rank(source, cfg, rank, world)
         if conn is not None:
             conn.send(("ready", rank))
@@ -164,7 +127,7 @@ def run_worker(source: ModelSource, cfg: EngineConfig, rank: int, world: int, in
 
 
 def _spawned_worker(source, cfg, rank, world, init_method, timeout_s, threads, conn) -> None:
-    _die_with_parent()
+    die_with_parent()
     torch.set_num_threads(threads)
     try:
         run_worker(source, cfg, rank, world, init_method, timeout_s, conn)
@@ -172,57 +135,13 @@ def _spawned_worker(source, cfg, rank, world, init_method, timeout_s, threads, c
         os._exit(1)
 
 
-@contextlib.contextmanager
-def _rank_places(rank: int, world: int):
-    """While a worker starts: where the ``hf-paged`` launcher bound OpenMP threads to a list of places
-    (``OMP_PLACES={0},{1},...``), the worker gets its own share of them, as its places and as the CPU mask it
-    starts with (a child inherits the mask of the thread that starts it, which OpenMP bound to rank 0's
-    first core; without this every rank would crowd onto that core)."""
-    parts = re.findall(r"\{([0-9,]+)\}", os.environ.get("OMP_PLACES", ""))
-    if len(parts) < world or not hasattr(os, "sched_setaffinity"):
-        yield
-        return
-    share = parts[rank * len(parts) // world : (rank + 1) * len(parts) // world]
-    cpus = {int(c) for part in share for c in part.split(",")}
-    saved = {k: os.environ.get(k) for k in ("OMP_PLACES", "OMP_NUM_THREADS")}
-    mask = os.sched_getaffinity(0)
-    os.environ["OMP_PLACES"] = ",".join("{%s}" % p for p in share)
-    os.environ["OMP_NUM_THREADS"] = str(len(share))
-    try:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, cpus)
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, mask)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launched() -> tuple[int, int, str] | None:
-    """(rank, world, init method) when torchrun (or a similar launcher) started this process, else None."""
-    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
-        return None
-    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), f"tcp://{addr}:{port}"
-
-
 def worker_entry(source, cfg: EngineConfig) -> bool:
     """Under torchrun: on a rank other than 0, serve as a worker until rank 0 closes, then return True (the
     caller exits). On rank 0, or without a launcher, return False at once."""
-    launched = _launched()
-    if launched is None or launched[0] == 0:
+    found = launched()
+    if found is None or found[0] == 0:
         return False
-    rank, world, init_method = launched
+    rank, world, init_method = found
     if world != cfg.tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} but the launcher started WORLD_SIZE={world} processes")
     run_worker(ModelSource.of(source), cfg, rank, world, init_method, cfg.distributed_timeout)
@@ -249,23 +168,23 @@ class TensorParallelExecutor(Executor):
         self.inner: UniProcExecutor | None = None
         self._threads = torch.get_num_threads()
         check_shardable(source.skeleton(), world)  # a clear error before any process starts
-        launched = _launched()
-        if launched is not None:
-            rank, launched_world, init_method = launched
+        found = launched()
+        if found is not None:
+            rank, launched_world, init_method = found
             if rank != 0 or launched_world != world:
                 raise ValueError(f"under a launcher (RANK={rank}, WORLD_SIZE={launched_world}) the engine runs on rank 0 "
                                  f"with tensor_parallel_size=WORLD_SIZE; got tensor_parallel_size={world}")
         else:
             # MASTER_ADDR / MASTER_PORT, as torch.distributed reads them, where set; else a free loopback port
             addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-            init_method = f"tcp://{addr}:{os.environ.get('MASTER_PORT') or _free_port()}"
+            init_method = f"tcp://{addr}:{os.environ.get('MASTER_PORT') or free_port()}"
             self._spawn(source, cfg, init_method)
         try:
             if self.processes:  # spawned here: host the store, watch the workers until they joined it
                 self._store = self._host_store(init_method)
-                _init_group(0, world, init_method, self.timeout_s, source.rank_device(0), self._store, self._wait_joined)
+                init_group(0, world, init_method, self.timeout_s, source.rank_device(0), self._store, self._wait_joined)
             else:
-                _init_group(0, world, init_method, self.timeout_s, source.rank_device(0))
+                init_group(0, world, init_method, self.timeout_s, source.rank_device(0))
             self.inner = build_rank(source, cfg, 0, world)
             self._wait_ready()
         except BaseException as e:
@@ -304,7 +223,7 @@ class TensorParallelExecutor(Executor):
             parent, child = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_spawned_worker, name=f"hf-paged-tp{rank}", daemon=True,
                                args=(source, cfg, rank, self.world, init_method, self.timeout_s, threads, child))
-            with _rank_places(rank, self.world):
+            with rank_places(rank, self.world):
                 proc.start()
             child.close()
             self.processes.append(proc)

@@ -1,0 +1,55 @@
+"""The command line's model and engine: the flags that pick the weights (``--model``, ``--dtype``,
+``--quantization``) and the engine options (``--kv-cache-dtype``, ``--tensor-parallel-size``)."""
+
+from __future__ import annotations
+
+from hf_paged.cli_checks import UsageError
+
+
+def load(args):
+    from hf_paged.default_model import load_default, load_model
+
+    quantization = getattr(args, "quantization", None)
+    try:
+        if args.model:
+            if quantization == "gguf":
+                raise UsageError("--quantization gguf keeps the default model's GGUF weights as stored; with --model "
+                                 "use int8 or int4 (or hf_paged.load_gguf(path) for a GGUF file)")
+            return load_model(args.model, dtype=args.dtype)
+        return load_default(dtype=args.dtype, quantized=quantization == "gguf")
+    except (OSError, ImportError) as e:  # a folder transformers cannot read, a missing package: one line
+        raise UsageError(" ".join(str(e).split()) or type(e).__name__) from e
+
+
+def engine_options(args) -> dict:
+    """Engine keywords from the flags: --quantization int8/int4 (gguf is a way of loading, see load),
+    --kv-cache-dtype and --tensor-parallel-size."""
+    q = getattr(args, "quantization", None)
+    out = {"quantization": q} if q in ("int8", "int4") else {}
+    kv = getattr(args, "kv_cache_dtype", "auto")
+    if kv != "auto":
+        out["kv_cache_dtype"] = kv
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp != 1:
+        if q == "gguf":
+            raise UsageError("--quantization gguf cannot be used with --tensor-parallel-size > 1")
+        out["tensor_parallel_size"] = tp
+    return out
+
+
+def build_engine(args, **config):
+    """``(engine, tokenizer)`` for the command's flags. With --tensor-parallel-size N every rank loads the folder
+    (the default model's too) and keeps its shard; under torchrun, ranks other than 0 serve as workers here and
+    exit when rank 0 is done."""
+    from hf_paged import PagedGenerator
+    from hf_paged.default_model import default_model_path
+
+    config.update(engine_options(args))
+    if config.get("tensor_parallel_size", 1) > 1:
+        from transformers import AutoTokenizer
+
+        path = args.model or str(default_model_path())
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return PagedGenerator.from_pretrained(path, tokenizer, dtype=args.dtype, **config), tokenizer
+    model, tokenizer = load(args)
+    return PagedGenerator(model, tokenizer, **config), tokenizer
