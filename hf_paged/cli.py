@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights and KV cache dtype")
     bench.add_argument("--repeat", type=_positive_int, default=1, help="runs per system; the fastest counts")
     bench.add_argument("--systems", help="comma-separated subset, e.g. padded,hf_paged; chat and latency also take "
-                       "eager (hf_paged with enforce_eager=True, for A/B runs); latency also gguf_q4_1, int8, int4 (quantized weights)")
+                       "eager (hf_paged with enforce_eager=True, for A/B runs); chat and latency also gguf_q4_1, int8, int4 (quantized weights; with -a8, e.g. int8-a8: int8 activations)")
     bench.add_argument("--clients", help="serve: concurrent HTTP clients per level (default 1,16,64)")
     bench.add_argument("--requests", type=_positive_int, help="serve: requests per level (default max(N, 16), "
                        "at most the 64 chat prompts)")

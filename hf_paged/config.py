@@ -100,10 +100,13 @@ class EngineConfig:
             or "static" (padded buckets run eagerly: the CPU twin of the graphs).
         decode_buckets: Batch sizes decode steps are padded up to (positive, increasing, at most
             ``max_num_seqs``). None: 1, 2, 4, 8, 16, 32, 48, ... up to ``max_num_seqs``.
-        quantization: Quantize the model's linear layers (all but the LM head) at start, weight-only, for the
-            CPU kernels of :mod:`hf_paged.cpu.quant_linear`: "int8" (per output channel) or "int4" (groups of
-            32 with a scale and a min). None: the weights as they are. The original layers come back at the
-            last ``close()``. See docs/quantization.md.
+        quantization: Quantize the model's linear layers at start, weight-only, for the CPU kernels of
+            :mod:`hf_paged.cpu.quant_linear`: "int8" (per output channel) or "int4" (groups of 32 with a scale
+            and a min), the LM head as q8_0 in both cases. None: the weights as they are. The original layers
+            come back at the last ``close()``. See docs/quantization.md.
+        quant_activations: The quantized linears' kernel mode: "float" (fp32 activations, the exact reference)
+            or "int8" (activations rounded to int8 per block of 32 and integer dot products: faster, slightly
+            different numbers). Applies to the layers ``quantization`` makes and to a GGUF model's own.
     """
 
     block_size: int = 16
@@ -129,6 +132,7 @@ class EngineConfig:
     decode_runner: str = "auto"
     decode_buckets: Any = None
     quantization: str | None = None
+    quant_activations: str = "float"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
@@ -168,7 +172,7 @@ class EngineConfig:
                 f"decode_runner='inductor' compiles plain nn.Linear modules; prepack_weights={self.prepack_weights!r} conflicts "
                 "with it (leave it None)"
             )
-        check_quantization(self.quantization)
+        check_quantization(self.quantization, self.quant_activations)
         pw = self.prepack_weights
         if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in PACKING_KINDS)):
             raise ValueError(f"prepack_weights must be None, True, False, {PACKING_KIND_NAMES}, got {self.prepack_weights!r}")

@@ -17,7 +17,17 @@ from hf_paged.default_model import load_default, parse_dtype
 
 ENGINE = "hf_paged"
 EAGER = "eager"  # --systems name of the engine run with enforce_eager=True (chat, latency)
-QUANTIZED = ("gguf_q4_1", "int8", "int4")  # --systems names of the engine on quantized weights (latency)
+# --systems names of the engine on quantized weights (chat, latency); "-a8": with int8 activations
+QUANTIZED = tuple(f"{n}{a}" for n in ("gguf_q4_1", "int8", "int4") for a in ("", "-a8"))
+
+
+def quantized_engine(name: str, dtype: str, model) -> tuple:
+    """``(model, engine keywords)`` of a :data:`QUANTIZED` system (the GGUF file's weights load anew)."""
+    base, _, a8 = name.partition("-")
+    kw = {"quant_activations": "int8"} if a8 else {}
+    if base == "gguf_q4_1":
+        return load_default(parse_dtype(dtype), quantized=True)[0], kw
+    return model, {**kw, "quantization": base}
 
 
 def run_engine(model, prompts, params, engine_kw: dict, track_kv: bool = False) -> tuple[SystemResult, list[list[int]], dict]:
@@ -98,11 +108,30 @@ def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, 
     runs = [run_engine(model, prompts, params, dict(max_num_seqs=len(prompts))) for _ in range(max(1, repeat))]
     res, outputs, _ = min(runs, key=lambda r: r[0].seconds)
     results.append(res)
+    quantized = _quantized_runs(want, dtype, model, prompts, params, len(prompts), repeat, outputs)
+    results += quantized
     extra = {"requests": len(prompts), "model": "SmolLM2-135M-Instruct"}
+    if quantized:
+        extra["same_tokens_as_hf_paged"] = {r.system: r.extra.pop("same") for r in quantized}
     if hf_outputs is not None:
         # Greedy outputs of a padded batch and of the engine should agree (fp32: exactly, in practice).
         extra["same_tokens_as_hf_generate"] = f"{sum(a == b for a, b in zip(outputs, hf_outputs))}/{len(prompts)}"
     return print_report("chat", dtype, results, ENGINE, extra)
+
+
+def _quantized_runs(want, dtype, model, prompts, params, max_num_seqs, repeat, reference=None) -> list[SystemResult]:
+    """The engine on each wanted :data:`QUANTIZED` system; with ``reference`` outputs, how many agree."""
+    results = []
+    for name in QUANTIZED:
+        if name in want:
+            qmodel, kw = quantized_engine(name, dtype, model)
+            runs = [run_engine(qmodel, prompts, params, {"max_num_seqs": max_num_seqs, **kw}) for _ in range(max(1, repeat))]
+            res, outputs, _ = min(runs, key=lambda r: r[0].seconds)
+            res.system = f"{ENGINE}, {name}"
+            if reference is not None:
+                res.extra["same"] = f"{sum(a == b for a, b in zip(outputs, reference))}/{len(prompts)}"
+            results.append(res)
+    return results
 
 
 def mixed_model(dtype: torch.dtype = torch.float32):
@@ -187,13 +216,7 @@ def latency(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = Non
         results.append(_eager_run(model, [prompt], params, dict(max_num_seqs=4), repeat))
     runs = [run_engine(model, [prompt], params, dict(max_num_seqs=4)) for _ in range(max(1, repeat))]
     results.append(min(runs, key=lambda r: r[0].seconds)[0])
-    for name in QUANTIZED:
-        if name in want:
-            qmodel = load_default(parse_dtype(dtype), quantized=True)[0] if name == "gguf_q4_1" else model
-            kw = dict(max_num_seqs=4) if name == "gguf_q4_1" else dict(max_num_seqs=4, quantization=name)
-            runs = [run_engine(qmodel, [prompt], params, kw) for _ in range(max(1, repeat))]
-            results.append(min(runs, key=lambda r: r[0].seconds)[0])
-            results[-1].system = f"{ENGINE}, {name}"
+    results += _quantized_runs(want, dtype, model, [prompt], params, 4, repeat)
     ms = {r.system: round(1000 * r.seconds / r.tokens, 2) for r in results}
     return print_report("latency", dtype, results, ENGINE, {"ms_per_output_token": ms})
 
