@@ -105,33 +105,38 @@ def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, 
     params = SamplingParams(max_tokens=128, temperature=0.0)
     if EAGER in want:
         results.append(_eager_run(model, prompts, params, dict(max_num_seqs=len(prompts)), repeat))
-    runs = [run_engine(model, prompts, params, dict(max_num_seqs=len(prompts))) for _ in range(max(1, repeat))]
-    res, outputs, _ = min(runs, key=lambda r: r[0].seconds)
-    results.append(res)
-    quantized = _quantized_runs(want, dtype, model, prompts, params, len(prompts), repeat, outputs)
-    results += quantized
+    engines, outputs = _engine_rounds(want, dtype, model, prompts, params, len(prompts), repeat)
+    results += engines
     extra = {"requests": len(prompts), "model": "SmolLM2-135M-Instruct"}
-    if quantized:
-        extra["same_tokens_as_hf_paged"] = {r.system: r.extra.pop("same") for r in quantized}
     if hf_outputs is not None:
         # Greedy outputs of a padded batch and of the engine should agree (fp32: exactly, in practice).
         extra["same_tokens_as_hf_generate"] = f"{sum(a == b for a, b in zip(outputs, hf_outputs))}/{len(prompts)}"
     return print_report("chat", dtype, results, ENGINE, extra)
 
 
-def _quantized_runs(want, dtype, model, prompts, params, max_num_seqs, repeat, reference=None) -> list[SystemResult]:
-    """The engine on each wanted :data:`QUANTIZED` system; with ``reference`` outputs, how many agree."""
-    results = []
-    for name in QUANTIZED:
-        if name in want:
-            qmodel, kw = quantized_engine(name, dtype, model)
-            runs = [run_engine(qmodel, prompts, params, {"max_num_seqs": max_num_seqs, **kw}) for _ in range(max(1, repeat))]
-            res, outputs, _ = min(runs, key=lambda r: r[0].seconds)
-            res.system = f"{ENGINE}, {name}"
-            if reference is not None:
-                res.extra["same"] = f"{sum(a == b for a, b in zip(outputs, reference))}/{len(prompts)}"
-            results.append(res)
-    return results
+def _engine_rounds(want, dtype, model, prompts, params, max_num_seqs, repeat) -> tuple[list[SystemResult], list]:
+    """hf_paged and each wanted :data:`QUANTIZED` system, ``repeat`` rounds taking turns (so a busy moment of a
+    shared machine falls on every system alike): the fastest run of each counts, every run's seconds are kept,
+    and each quantized system's greedy outputs are compared with hf_paged's. Returns the results and hf_paged's
+    outputs."""
+    systems = [(ENGINE, model, {})] + [(n, *quantized_engine(n, dtype, model)) for n in QUANTIZED if n in want]
+    best: dict[str, SystemResult] = {}
+    runs: dict[str, list[float]] = {}
+    outputs: dict[str, list] = {}
+    for _ in range(max(1, repeat)):
+        for name, m, kw in systems:
+            res, outputs[name], _ = run_engine(m, prompts, params, {"max_num_seqs": max_num_seqs, **kw})
+            runs.setdefault(name, []).append(round(res.seconds, 2))
+            if name not in best or res.seconds < best[name].seconds:
+                best[name] = res
+    for name, _, _ in systems:
+        res = best[name]
+        res.system = ENGINE if name == ENGINE else f"{ENGINE}, {name}"
+        res.extra["runs_s"] = runs[name]
+        if name != ENGINE:
+            same = sum(a == b for a, b in zip(outputs[name], outputs[ENGINE]))
+            res.extra["same_greedy_tokens_as_hf_paged"] = f"{same}/{len(prompts)}"
+    return [best[name] for name, _, _ in systems], outputs[ENGINE]
 
 
 def mixed_model(dtype: torch.dtype = torch.float32):
@@ -214,9 +219,7 @@ def latency(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = Non
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
     if EAGER in want:
         results.append(_eager_run(model, [prompt], params, dict(max_num_seqs=4), repeat))
-    runs = [run_engine(model, [prompt], params, dict(max_num_seqs=4)) for _ in range(max(1, repeat))]
-    results.append(min(runs, key=lambda r: r[0].seconds)[0])
-    results += _quantized_runs(want, dtype, model, [prompt], params, 4, repeat)
+    results += _engine_rounds(want, dtype, model, [prompt], params, 4, repeat)[0]
     ms = {r.system: round(1000 * r.seconds / r.tokens, 2) for r in results}
     return print_report("latency", dtype, results, ENGINE, {"ms_per_output_token": ms})
 

@@ -117,6 +117,8 @@ static inline __attribute__((always_inline)) void rows_m1(
         for (int r = 0; r < NR_1; ++r) {
             vf q[NV];
             float d, m;
+            /* 4 groups of rows ahead: the rows are short (360 bytes at K = 576) and the hardware lags */
+            __builtin_prefetch(w + (r + 4 * NR_1) * row_bytes + (size_t)b * bb, 0, 3);
             unpack(fmt, w + r * row_bytes + (size_t)b * bb, q, &d, &m);
             vf s = q[0] * xv[0];
             for (int v = 1; v < NV; ++v) s += q[v] * xv[v];
@@ -193,7 +195,10 @@ int hfq_dequantize(const uint8_t* w, int fmt, const float* scales, float* out, i
  * x meets them there, TM x rows by TR weight rows at a time with the TM x TR sums in registers (dot products
  * along k, reduced at the end). The weights come from memory once per call, as quantized bytes.
  */
-enum { SMALL_M = 16, TN = 16, TM = 4, TR = VW == 16 ? 4 : 2 };
+#ifndef TM_ROWS
+#define TM_ROWS 4
+#endif
+enum { SMALL_M = 16, TN = 16, TM = VW == 16 ? TM_ROWS : 4, TR = VW == 16 ? 4 : 2 };
 
 static inline float reduce(vf v) {
 #if defined(__AVX512F__)
@@ -202,6 +207,28 @@ static inline float reduce(vf v) {
     return hsum(v);
 #endif
 }
+
+#if defined(__AVX512F__)
+/* out[j] = sum of the 16 lanes of a[j], j < 16: halves, then quarters of pairs of vectors added, then the 4 x 4
+ * left in each 128-bit lane transposed and added */
+static inline __attribute__((always_inline)) void reduce16(const __m512* a, float* out) {
+    __m512 b[8], c[4];
+    for (int p = 0; p < 8; ++p) /* lanes 0-7: a[2p]'s halves added; 8-15: a[2p + 1]'s */
+        b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+    for (int p = 0; p < 4; ++p) /* 128-bit lane L: 4 partial sums of a[4p + L] */
+        c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], 0xDD));
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+    const __m512d l01 = _mm512_castps_pd(s01), l23 = _mm512_castps_pd(s23);
+    const __m512 f = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(l01, l23)),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(l01, l23)));
+    float t[16] __attribute__((aligned(64)));
+    _mm512_store_ps(t, f); /* lane 4L + p holds a[4p + L] */
+    for (int j = 0; j < 16; ++j) out[j] = t[4 * (j & 3) + (j >> 2)];
+}
+#endif
 
 static inline __attribute__((always_inline)) void dot_tile(
     const int mr, const int nr, const int K, const float* x, const int64_t ldx, const float* w, float out[TM][TR])
@@ -217,6 +244,15 @@ static inline __attribute__((always_inline)) void dot_tile(
             for (int r = 0; r < nr; ++r) acc[i][r] += xv * wv[r];
         }
     }
+#if defined(__AVX512F__)
+    if (nr == TR) { /* 4 x rows' 16 sums at once: 45 shuffles and adds rather than 16 reductions */
+        int i = 0;
+        for (; i + 4 <= mr; i += 4) reduce16((__m512*)acc[i], &out[i][0]);
+        for (; i < mr; ++i)
+            for (int r = 0; r < nr; ++r) out[i][r] = reduce(acc[i][r]);
+        return;
+    }
+#endif
     for (int i = 0; i < mr; ++i)
         for (int r = 0; r < nr; ++r) out[i][r] = reduce(acc[i][r]);
 }
@@ -224,6 +260,8 @@ static inline __attribute__((always_inline)) void dot_tile(
 static void dot_tile_any(int mr, int nr, int K, const float* x, int64_t ldx, const float* w, float out[TM][TR]) {
 #define DOT_NR(MR_) if (nr == TR) dot_tile(MR_, TR, K, x, ldx, w, out); else dot_tile(MR_, 1, K, x, ldx, w, out);
     if (mr == TM) { DOT_NR(TM) }
+    else if (TM > 5 && mr == 5) { DOT_NR(5) }
+    else if (TM > 4 && mr == 4) { DOT_NR(4) }
     else if (mr == 3) { DOT_NR(3) }
     else if (mr == 2) { DOT_NR(2) }
     else { DOT_NR(1) }

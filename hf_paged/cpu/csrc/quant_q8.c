@@ -42,6 +42,9 @@ static inline __m256i dot32(__m256i u, __m256i s) {
 enum { MRQ = 1 };
 #endif
 enum { NRQ = 4 };
+#ifndef PF_GROUPS
+#define PF_GROUPS 4 /* weight-row groups ahead to prefetch: the rows are short (360 bytes at K = 576), the hardware lags */
+#endif
 
 int hfq8_has_simd(void) { return HAVE_I8; }
 
@@ -102,6 +105,7 @@ static inline __attribute__((always_inline)) void tile(
         float dw[NRQ], mw[NRQ];
         for (int r = 0; r < nr; ++r) {
             const uint8_t* blk = w + r * row_bytes + (size_t)b * bb;
+            if (PF_GROUPS) __builtin_prefetch(blk + PF_GROUPS * NRQ * row_bytes, 0, 3);
             unpack_i8(fmt, blk + off, &u[r], &sg[r]);
             dw[r] = fmt == FMT_INT8 ? 1.0f : h2f(blk);
             mw[r] = fmt == FMT_Q4_1 ? h2f(blk + 2) : 0.0f;
