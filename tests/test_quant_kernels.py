@@ -1,6 +1,7 @@
 """The quantized linear kernels' batch paths and modes, each against a dequantize-then-``F.linear`` reference:
-the float-activation tiled path (batches above 16 rows) and the int8-activation mode (``csrc/quant_q8.c``), in
-the host build and in the AVX2 builds beside it (the int8 one also without VNNI: the VPMADDUBSW path)."""
+the float-activation tiled path (batches above 16 rows) and the int8-activation mode (``csrc/quant_q8.c``: AMX
+tiles above 16 rows where the host has AMX-INT8), in the host build and in builds beside it: without AMX, and
+AVX2 only (the int8 one also without VNNI: the VPMADDUBSW path)."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from hf_paged.cpu import quant_linear as ql
 from hf_paged.cpu.quant_linear import FORMATS, QuantLinear, dequantize_torch, quantize_activations
 
 FLOAT_LIBS = {"host": ql.QUANT_GEMM, "avx2": ql.QUANT_GEMM_AVX2}
-Q8_LIBS = {"host": ql.QUANT_Q8, "avx2": ql.QUANT_Q8_AVX2}
+Q8_LIBS = {"host": ql.QUANT_Q8, "no_amx": ql.QUANT_Q8_NO_AMX, "avx2": ql.QUANT_Q8_AVX2}
 
 
 def _load(libs, name):
@@ -59,14 +60,14 @@ def test_activation_rounding_is_the_kernels():
 
 
 @pytest.mark.parametrize("lib", Q8_LIBS)
-@pytest.mark.parametrize("rows", [1, 3, 5, 17])
+@pytest.mark.parametrize("rows", [1, 3, 5, 16, 17, 40])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_int8_activations_equal_rounded_x_times_dequantized_w(fmt, rows, lib):
     """The int8-activation kernel computes exactly quantize_activations(x) @ dequant(W)^T (+ bias), up to fp32
     rounding of the per-block scaled integer sums; and far from x @ dequant(W)^T where the rounding matters."""
     native = _load(Q8_LIBS, lib)
-    if lib == "avx2":
-        assert native.hfq8_has_simd() == 1
+    if lib != "host":
+        assert native.hfq8_has_simd() == 1 and native.hfq8_amx() == 0  # above 16 rows: the vector path
     layer, ref = _case(fmt, seed=rows)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows + 2))
     got = layer._call(native.hfq8_linear, x).double()
@@ -86,6 +87,9 @@ def test_int8_mode_rows_do_not_depend_on_the_batch_and_forward_uses_it():
     for i in (0, 4, 8):
         assert torch.equal(full[i : i + 1], layer(x[i : i + 1]))
     assert torch.equal(full[2:7], layer(x[2:7]))
+    big = torch.randn(40, 128, generator=torch.Generator().manual_seed(5))  # above 16 rows (AMX tiles where present)
+    assert torch.equal(layer(big)[20:], layer(big[20:]))
+    assert torch.equal(layer(big)[3:25], layer(big[3:25]))
 
 
 def test_int8_mode_without_its_library_uses_float_kernel_or_torch(monkeypatch):

@@ -45,6 +45,7 @@ _FUNCTIONS = {
 }
 _Q8_FUNCTIONS = {
     "hfq8_has_simd": (_i32, []),
+    "hfq8_amx": (_i32, []),
     "hfq8_linear": _LINEAR,
     "hfq8_quantize": (_i32, [_ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i32]),
 }
@@ -55,6 +56,9 @@ QUANT_Q8 = NativeLibrary("quant_q8.c", _Q8_FUNCTIONS, what="the int8-activation 
 QUANT_GEMM_AVX2 = NativeLibrary("quant_gemm.c", _FUNCTIONS, ("-mno-avx512f",), what="the AVX2 quantized linear kernel")
 QUANT_Q8_AVX2 = NativeLibrary("quant_q8.c", _Q8_FUNCTIONS, ("-mno-avx512f", "-mno-avxvnni"),
                               what="the AVX2 int8-activation quantized linear kernel")
+# ... and without AMX (the VNNI vector path for batches above 16 rows too)
+QUANT_Q8_NO_AMX = NativeLibrary("quant_q8.c", _Q8_FUNCTIONS, ("-mno-amx-tile", "-mno-amx-int8"),
+                                what="the int8-activation quantized linear kernel without AMX")
 _warned: set[str] = set()
 
 

@@ -41,12 +41,23 @@ static inline __m256i dot32(__m256i u, __m256i s) {
 #define HAVE_I8 0
 enum { MRQ = 1 };
 #endif
-enum { NRQ = 4 };
+enum { NRQ = 4, AMX_MIN_ROWS = 16 };
 #ifndef PF_GROUPS
 #define PF_GROUPS 4 /* weight-row groups ahead to prefetch: the rows are short (360 bytes at K = 576), the hardware lags */
 #endif
 
+#include "quant_amx.h"
+
 int hfq8_has_simd(void) { return HAVE_I8; }
+
+/* whether batches above 16 rows take AMX tiles here (built for AMX-INT8, and the OS grants its state) */
+int hfq8_amx(void) {
+#if HAVE_AMX
+    return amx_allowed();
+#else
+    return 0;
+#endif
+}
 
 /* x[M, K] -> q[M, K] int8 and d[M, K / 32] fp32 (see the header comment); s[M, K / 32] = d * sum(q) per block */
 int hfq8_quantize(const float* x, int64_t ldx, int M, int K, int8_t* q, float* d, float* s, int num_threads) {
@@ -198,6 +209,14 @@ int hfq8_linear(const float* x, int64_t ldx, const uint8_t* w, int fmt, const fl
     }
     float* xs = xd + (size_t)M * nb;
     hfq8_quantize(x, ldx, M, K, xq, xd, xs, M >= 64 ? num_threads : 1);
+#if HAVE_AMX
+    if (M > AMX_MIN_ROWS && amx_allowed()) {
+        const int rc = amx_linear(xq, xd, xs, w, fmt, scales, bias, y, ldy, M, N, K, num_threads);
+        free(xq);
+        free(xd);
+        return rc;
+    }
+#endif
     const size_t row_bytes = (size_t)nb * bb;
     const int groups = (N + NRQ - 1) / NRQ;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
