@@ -34,9 +34,13 @@ def _load(args):
 
 
 def _quantization(args) -> dict:
-    """Engine keyword for --quantization int8/int4 (gguf is a way of loading, see _load)."""
+    """Engine keywords for --quantization int8/int4 (gguf is a way of loading, see _load) and
+    --quant-activations."""
     q = getattr(args, "quantization", None)
-    return {"quantization": q} if q in ("int8", "int4") else {}
+    kw = {"quantization": q} if q in ("int8", "int4") else {}
+    if getattr(args, "quant_activations", "float") != "float":
+        kw["quant_activations"] = args.quant_activations
+    return kw
 
 
 def _params(args):
@@ -255,6 +259,9 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int, temperature: floa
     p.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None,
                    help="weight-only quantized linears: int8/int4 quantize at start; gguf keeps the default model's "
                    "Q4_1 GGUF weights as stored (docs/quantization.md)")
+    p.add_argument("--quant-activations", choices=["float", "int8"], default="float",
+                   help="quantized linears' kernel mode: float (exact) or int8 (activations rounded to int8 per "
+                   "block of 32: faster, slightly different numbers)")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer (>= 1)")
     p.add_argument("--temperature", type=float, default=temperature, help="0 is greedy; otherwise > 0")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 disables")
@@ -268,6 +275,9 @@ def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -
     p.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None,
                    help="weight-only quantized linears: int8/int4 quantize at start; gguf keeps the default model's "
                    "Q4_1 GGUF weights as stored (docs/quantization.md)")
+    p.add_argument("--quant-activations", choices=["float", "int8"], default="float",
+                   help="quantized linears' kernel mode: float (exact) or int8 (activations rounded to int8 per "
+                   "block of 32: faster, slightly different numbers)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=port, help="port to listen on")
     p.add_argument("--max-num-seqs", type=_positive_int, default=max_num_seqs, help="most sequences in one batch")
