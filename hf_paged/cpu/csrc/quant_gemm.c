@@ -1,22 +1,16 @@
 /*
- * Weight-only quantized linear layers for CPU: y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias), fp32 x and y.
+ * Weight-only quantized linear layers for CPU with float activations (the exact reference mode):
+ * y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias), fp32 x and y, W in one of the block formats of quant_common.h.
  *
- * W stays in its quantized bytes, row n of W being K / 32 blocks of 32 weights, in GGUF's exact layouts:
- *   Q8_0 (34 bytes): fp16 d, 32 x int8 q                        w = q * d
- *   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles                w = (q - 8) * d
- *   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles        w = q * d + m
- * (nibbles: byte j holds weight j in its low half and weight j + 16 in its high half), and our own
- *   INT8 (32 bytes per block, no header): int8 q, with one fp32 scale s[n] per output row    w = q * s[n]
+ * Up to SMALL_M rows (decode): per block and row of x the kernel sums q * x over the block's 32 weights in fp32
+ * vectors, then scales the block sum by d (and adds m * sum(x) over the block for Q4_1): the dequantized weights
+ * times x, up to the order of the fp32 sums and products. One row reads 4 weight rows per pass and prefetches 4
+ * groups ahead. Above SMALL_M rows: tiles of weight rows dequantized exactly into an L2-resident buffer that
+ * every row of x meets (tiled() below). Within each path every output is computed the same way whatever M is
+ * and whatever other rows share the batch, so a row's result does not depend on the batch.
  *
- * Per block and row of x the kernel sums q * x over the block's 32 weights in fp32 vectors, then scales the
- * block sum by d (and adds m * sum(x) over the block for Q4_1): the dequantized weights times x, up to the
- * order of the fp32 sums and products. Every output is computed the same way whatever M is and whatever other
- * rows share the batch, so a row's result does not depend on the batch.
- *
- * Decode (M small) is bound by reading the weights: ~0.56-1.06 bytes per weight here against 4 for fp32.
- * Threads split the output rows (OpenMP over N); one weight row (at most a few KiB) stays in L1 while every
- * row tile of x passes over it. Built for the host like gemm_cpu.c (AVX2+FMA, AVX-512 where present: the
- * vector width follows the compiler's target) and loaded through ctypes by hf_paged/cpu/quant_linear.py.
+ * Threads split the output rows (OpenMP). Built for the host like gemm_cpu.c (AVX2+FMA, AVX-512 where present:
+ * the vector width follows the compiler's target) and loaded through ctypes by hf_paged/cpu/quant_linear.py.
  */
 #include "quant_common.h"
 #include <math.h>
