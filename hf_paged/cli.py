@@ -242,6 +242,9 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int, temperature: floa
                    help="shard the model over N processes (torch.distributed; under torchrun, its WORLD_SIZE); "
                    "docs/tensor_parallel.md")
     _add_kv_cache_dtype(p)
+    p.add_argument("--quant-activations", choices=["float", "int8"], default="float",
+                   help="quantized linears' kernel mode: float (exact) or int8 (activations rounded to int8 per "
+                   "block of 32: faster, slightly different numbers)")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer (>= 1)")
     p.add_argument("--temperature", type=float, default=temperature, help="0 is greedy; otherwise > 0")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 disables")
@@ -265,6 +268,9 @@ def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -
                    help="shard the model over N processes (torch.distributed; under torchrun, its WORLD_SIZE); "
                    "docs/tensor_parallel.md")
     _add_kv_cache_dtype(p)
+    p.add_argument("--quant-activations", choices=["float", "int8"], default="float",
+                   help="quantized linears' kernel mode: float (exact) or int8 (activations rounded to int8 per "
+                   "block of 32: faster, slightly different numbers)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=port, help="port to listen on")
     p.add_argument("--max-num-seqs", type=_positive_int, default=max_num_seqs, help="most sequences in one batch")
@@ -326,8 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=_positive_int, default=1, help="runs per system; the fastest counts")
     _add_kv_cache_dtype(bench)
     bench.add_argument("--systems", help="comma-separated subset, e.g. padded,hf_paged; chat and latency also take "
-                       "eager (hf_paged with enforce_eager=True, for A/B runs); latency also gguf_q4_1, int8, int4 "
-                       "(quantized weights); chat also tp2 (tensor_parallel_size=2); replicas: pow2,prefix (routings)")
+                       "eager (hf_paged with enforce_eager=True, for A/B runs); chat and latency also gguf_q4_1, int8, "
+                       "int4 (quantized weights; with -a8, e.g. int8-a8: int8 activations); chat also tp2 "
+                       "(tensor_parallel_size=2); replicas: pow2,prefix (routings)")
     bench.add_argument("--clients", help="serve: concurrent HTTP clients per level (default 1,16,64)")
     bench.add_argument("--requests", type=_positive_int, help="serve: requests per level (default max(N, 16), "
                        "at most the 64 chat prompts)")

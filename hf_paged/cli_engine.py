@@ -23,9 +23,11 @@ def load(args):
 
 def engine_options(args) -> dict:
     """Engine keywords from the flags: --quantization int8/int4 (gguf is a way of loading, see load),
-    --kv-cache-dtype and --tensor-parallel-size."""
+    --quant-activations, --kv-cache-dtype and --tensor-parallel-size."""
     q = getattr(args, "quantization", None)
     out = {"quantization": q} if q in ("int8", "int4") else {}
+    if getattr(args, "quant_activations", "float") != "float":
+        out["quant_activations"] = args.quant_activations
     kv = getattr(args, "kv_cache_dtype", "auto")
     if kv != "auto":
         out["kv_cache_dtype"] = kv

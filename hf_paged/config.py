@@ -101,10 +101,13 @@ class EngineConfig:
             or "static" (padded buckets run eagerly: the CPU twin of the graphs).
         decode_buckets: Batch sizes decode steps are padded up to (positive, increasing, at most
             ``max_num_seqs``). None: 1, 2, 4, 8, 16, 32, 48, ... up to ``max_num_seqs``.
-        quantization: Quantize the model's linear layers (all but the LM head) at start, weight-only, for the
-            CPU kernels of :mod:`hf_paged.cpu.quant_linear`: "int8" (per output channel) or "int4" (groups of
-            32 with a scale and a min). None: the weights as they are. The original layers come back at the
-            last ``close()``. See docs/quantization.md.
+        quantization: Quantize the model's linear layers at start, weight-only, for the CPU kernels of
+            :mod:`hf_paged.cpu.quant_linear`: "int8" (per output channel) or "int4" (groups of 32 with a scale
+            and a min), the LM head as q8_0 in both cases. None: the weights as they are. The original layers
+            come back at the last ``close()``. See docs/quantization.md.
+        quant_activations: The quantized linears' kernel mode: "float" (fp32 activations, the exact reference)
+            or "int8" (activations rounded to int8 per block of 32 and integer dot products: faster, slightly
+            different numbers). Applies to the layers ``quantization`` makes and to a GGUF model's own.
         tensor_parallel_size: Processes the model is sharded over (tensor parallelism on ``torch.distributed``,
             gloo on CPU, NCCL on CUDA): the engine spawns ``N - 1`` workers, or joins ``torchrun``'s ranks.
             See docs/tensor_parallel.md.
@@ -140,6 +143,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_timeout: float = 60.0
     kv_cache_dtype: str = "auto"
+    quant_activations: str = "float"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
@@ -179,7 +183,7 @@ class EngineConfig:
                 f"decode_runner='inductor' compiles plain nn.Linear modules; prepack_weights={self.prepack_weights!r} conflicts "
                 "with it (leave it None)"
             )
-        check_quantization(self.quantization)
+        check_quantization(self.quantization, self.quant_activations)
         _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if isinstance(self.distributed_timeout, bool) or not isinstance(self.distributed_timeout, (int, float)) or not (
             self.distributed_timeout > 0

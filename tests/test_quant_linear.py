@@ -97,7 +97,7 @@ def test_torch_fallback_warns_once(monkeypatch, caplog):
     monkeypatch.setattr(ql.QUANT_GEMM, "_lib", None)
     monkeypatch.setattr(ql.QUANT_GEMM, "_tried", True)
     monkeypatch.setattr(ql.QUANT_GEMM, "why", "no compiler (test)")
-    monkeypatch.setattr(ql, "_warned", False)
+    monkeypatch.setattr(ql, "_warned", set())
     ql.probes.reset("linear.quant")
     try:
         with caplog.at_level(logging.WARNING, logger="hf_paged.cpu.quant_linear"):

@@ -16,29 +16,33 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.parametrize("activations", ["float", "int8"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_engine_equals_stock_generate_on_the_same_quantized_model(quantization):
-    """The engine quantizes at start; stock generate on a copy quantized the same way (QuantLinear is a torch
-    module) gives the same tokens, through the fused layers (which call the quantized projections) and the native
-    decode program (q/k/v and gate/up joined into one quantized weight each), and eagerly. On close the float
-    layers come back."""
+def test_engine_equals_stock_generate_on_the_same_quantized_model(quantization, activations):
+    """The engine quantizes at start (the LM head as q8_0); stock generate on a copy quantized the same way
+    (QuantLinear is a torch module) gives the same tokens, through the fused layers (which call the quantized
+    projections) and the native decode program (q/k/v and gate/up joined into one quantized weight each), and
+    eagerly, in both kernel modes. On close the float layers and the float head come back."""
     model = make_model(seed=5)
     prompts = make_prompts(5, lengths=[1, 9, 33, 40, 70], seed=2)
     params = SamplingParams(max_tokens=16, temperature=0.0)
     reference = copy.deepcopy(model)
-    QuantizedLinears(reference, quantization)
+    QuantizedLinears(reference, quantization, activations)
     float_tokens = [stock_greedy(model, p, 16) for p in prompts]
-    with PagedGenerator(model, num_blocks=64, max_num_seqs=3, quantization=quantization, prepack_weights="native") as engine:
+    kw = dict(num_blocks=64, max_num_seqs=3, quantization=quantization, quant_activations=activations)
+    with PagedGenerator(model, **kw) as engine:
         linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
-        assert len(linears) == 2 * 7 and type(model.lm_head) is torch.nn.Linear
+        assert len(linears) == 2 * 7 + 1 and model.lm_head.fmt == "q8_0"
+        assert {m.activations for m in linears} == {activations}
         program = engine.executor.runner.fast
         assert len(engine.executor.fused.layers) == 2 and type(program).__name__ == "DecodeProgram"
         outs = _tokens(engine.generate(prompts, params, use_tqdm=False))
         assert program.num_runs > 0, program.why_not
-    with PagedGenerator(model, num_blocks=64, max_num_seqs=3, quantization=quantization, enforce_eager=True) as eager:
+    with PagedGenerator(model, enforce_eager=True, **kw) as eager:
         assert _tokens(eager.generate(prompts, params, use_tqdm=False)) == outs
     assert outs == [stock_greedy(reference, p, 16) for p in prompts]
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    assert model.lm_head.weight is model.model.embed_tokens.weight or not model.config.tie_word_embeddings
     assert [stock_greedy(model, p, 16) for p in prompts] == float_tokens
     agree = sum(a == b for a, b in zip(outs, float_tokens))
     logging.getLogger(__name__).info("%s: %d/%d prompts equal to the float model's greedy tokens", quantization,
@@ -59,6 +63,8 @@ def test_engines_share_one_quantization_and_refuse_another():
 def test_bad_quantization_names_and_shapes(caplog):
     with pytest.raises(ValueError, match=r"quantization must be None or one of \['int4', 'int8'\], got 'fp8'"):
         EngineConfig(quantization="fp8")
+    with pytest.raises(ValueError, match=r"quant_activations must be one of \('float', 'int8'\), got 'int4'"):
+        EngineConfig(quantization="int8", quant_activations="int4")
     model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 40), torch.nn.Linear(40, 4))
     with caplog.at_level(logging.WARNING):
         q = QuantizedLinears(model, "int4")
@@ -131,3 +137,46 @@ def test_gguf_unsupported_type_is_a_clear_error(monkeypatch):
     assert gguf.GGMLQuantizationType.Q4_1  # the module under test read the real file
     with pytest.raises(ValueError, match="unsupported must be 'error' or 'dequantize'"):
         gguf_loader.load_gguf(path, unsupported="skip")
+
+
+def test_activation_mode_of_a_quantized_model_is_the_engines_and_comes_back():
+    """quant_activations="int8" on a model that is quantized already (as a GGUF one): its QuantLinears switch
+    while the engine holds them, back to float on close; another engine asking for float is refused meanwhile."""
+    model = make_model(seed=7)
+    QuantizedLinears(model, "int4")
+    prompts = make_prompts(2, lengths=[5, 12], seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    with PagedGenerator(model, num_blocks=32, quant_activations="int8") as engine:
+        assert {m.activations for m in model.modules() if isinstance(m, QuantLinear)} == {"int8"}
+        outs = _tokens(engine.generate(prompts, params, use_tqdm=False))
+        assert outs == [stock_greedy(model, p, 8) for p in prompts]
+        with pytest.raises(ValueError, match="quant_activations='int8'; close it first"):
+            PagedGenerator(model, num_blocks=32, quantization="int8")
+    assert {m.activations for m in model.modules() if isinstance(m, QuantLinear)} == {"float"}
+
+
+def test_gguf_unsupported_type_dequantized_on_request(monkeypatch, caplog):
+    """unsupported="dequantize": a type we cannot run loads as floats (the values GGUF's own dequantization
+    gives), with one warning; the other tensors stay quantized."""
+    pytest.importorskip("gguf")
+    from transformers import AutoConfig
+
+    from hf_paged.default_model import default_model_path, gguf_path
+    from hf_paged.hf import gguf_loader
+
+    try:
+        path = gguf_path()
+    except ImportError as e:
+        pytest.skip(str(e))
+    config = AutoConfig.from_pretrained(default_model_path())
+    config.num_hidden_layers = 1
+    monkeypatch.setattr(gguf_loader, "KEPT", ("Q8_0",))  # as if Q4_1 were a type we cannot run
+    with caplog.at_level(logging.WARNING, logger="hf_paged.hf.gguf_loader"):
+        model, _ = gguf_loader.load_gguf(path, tokenizer=False, config=config, unsupported="dequantize")
+    assert sum("GGUF tensors of type Q4_1" in r.message for r in caplog.records) == 1
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert type(q_proj) is torch.nn.Linear and q_proj.weight.dtype == torch.float32
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.fmt == "q8_0"
+    monkeypatch.setattr(gguf_loader, "KEPT", ("Q8_0", "Q4_0", "Q4_1"))
+    kept, _ = gguf_loader.load_gguf(path, tokenizer=False, config=config)
+    assert torch.equal(q_proj.weight, kept.model.layers[0].self_attn.q_proj.dequantize())

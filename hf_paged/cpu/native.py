@@ -71,7 +71,7 @@ class NativeLibrary:
         self._lock = threading.Lock()
 
     def _build(self, cc: str) -> Path:
-        src = self.source.read_bytes()
+        src = self.source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # its includes
         key = hashlib.sha1(src + " ".join([cc, *self.flags, _cpu_key()]).encode()).hexdigest()[:16]
         target = cache_dir() / "kernels" / f"{self.source.stem}-{key}.so"
         if target.is_file():

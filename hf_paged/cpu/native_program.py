@@ -229,6 +229,7 @@ class DecodeProgram:
             # a single projection's current pack (packed again if its weight changed), as its forward would
             if type(module) is QuantLinear:
                 seen.extend((_seen(module._buffers, "qweight"), _seen(module._parameters, "bias")))
+                scalars.append((module, "activations", module.activations))
                 return module, module.bias
             pack = None if packing is None else packing.current_pack(module)
             if pack is None:
@@ -241,6 +242,7 @@ class DecodeProgram:
             group = quant_group(parent, names)
             if group is not None:  # quantized siblings as one QuantLinear (the members' bytes are views of it)
                 seen.extend(_seen(getattr(parent, n)._buffers, "qweight") for n in names)
+                scalars.extend((getattr(parent, n), "activations", group.activations) for n in names)
                 keep.append(group)
                 return group, group.bias
             group = None if packing is None else packing.group(parent, names)

@@ -3,9 +3,10 @@
 :func:`quant_group` joins sibling :class:`~hf_paged.cpu.quant_linear.QuantLinear` projections that read the
 same input (q/k/v, gate/up) into one QuantLinear over their concatenated rows, the members' ``qweight`` then
 being views of it (no second copy of the bytes; each output row is computed as it was, so the results are
-bitwise those of the separate calls). :class:`QuantOp` is one program call: the quantized kernel straight on
-the step's buffers, or for batches above :data:`~hf_paged.cpu.quant_linear.DIRECT_ROWS` rows the module's own
-forward (dequantize and ``F.linear``), as the eager forward does.
+bitwise those of the separate calls). :class:`QuantOp` is one program call: the layer's kernel (its
+``activations`` mode) straight on the step's buffers, or, for float activations and batches above
+:data:`~hf_paged.cpu.quant_linear.TILED_ROWS` rows, the module's own forward (dequantize and ``F.linear``), as
+the eager forward does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import weakref
 
 import torch
 
-from hf_paged.cpu.quant_linear import DIRECT_ROWS, FORMATS, QuantLinear, QuantEmbedding, native_library
+from hf_paged.cpu.quant_linear import FORMATS, TILED_ROWS, QuantEmbedding, QuantLinear, kernel
 
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # parent -> {names: (members, group)}
 
@@ -34,17 +35,20 @@ def quant_group(parent: torch.nn.Module, names: tuple[str, ...]) -> QuantLinear 
     cached = _groups.setdefault(parent, {}).get(names)
     if cached is not None:
         old, group, ptrs = cached
-        if all(a is b for a, b in zip(old, members)) and [m.qweight.data_ptr() for m in members] == ptrs:
+        if all(a is b for a, b in zip(old, members)) and [m.qweight.data_ptr() for m in members] == ptrs and all(
+            m.activations == group.activations for m in members
+        ):
             return group
     first = members[0]
-    if any(m.fmt != first.fmt or m.in_features != first.in_features for m in members):
+    if any(m.fmt != first.fmt or m.in_features != first.in_features or m.activations != first.activations
+           for m in members):
         return None
     qweight = torch.cat([m.qweight for m in members])
     scales = None if first.scales is None else torch.cat([m.scales for m in members])
     bias = None
     if any(m.bias is not None for m in members):
         bias = torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features) for m in members])
-    group = QuantLinear(first.in_features, qweight.shape[0], first.fmt, qweight, scales, bias)
+    group = QuantLinear(first.in_features, qweight.shape[0], first.fmt, qweight, scales, bias, first.activations)
     group.sizes = [m.out_features for m in members]
     row = 0
     for m in members:  # the members read the group's bytes: one copy of the weights
@@ -63,19 +67,19 @@ class QuantOp:
 
     def __init__(self, layer: QuantLinear, x: torch.Tensor, x_stride: int, y: torch.Tensor, rows: ctypes.c_int,
                  threads: int) -> None:
-        lib = native_library()
-        assert lib is not None, "QuantOp needs the native quantized kernel"
+        self.fn, mode = kernel(layer.activations)
+        assert self.fn is not None, "QuantOp needs the native quantized kernel"
+        self.limit = TILED_ROWS if mode == "float" else None  # int8 activations: one kernel for every batch
         self.layer, self.x, self.y, self.rows = layer, x, y, rows
         scales = None if layer.scales is None else layer.scales.data_ptr()
         bias = None if layer.bias is None else layer.bias.data_ptr()
-        self.fn = lib.hfq_linear
         self.args = (x.data_ptr(), x_stride, layer.qweight.data_ptr(), FORMATS[layer.fmt], scales, bias,
                      y.data_ptr(), y.shape[1])
         self.tail = (layer.out_features, layer.in_features, threads)
 
     def __call__(self) -> int:
         n = self.rows.value
-        if n <= DIRECT_ROWS:
+        if self.limit is None or n <= self.limit:
             return self.fn(*self.args, n, *self.tail)
         self.y[:n, : self.layer.out_features].copy_(self.layer(self.x[:n, : self.layer.in_features]))
         return 0

@@ -1,11 +1,16 @@
-"""Quantize a model's decoder linears at engine start (``EngineConfig(quantization="int8" | "int4")``).
+"""Quantize a model's linears at engine start (``EngineConfig(quantization="int8" | "int4")``) and choose the
+kernels' activation mode (``EngineConfig(quant_activations="float" | "int8")``).
 
-Every plain ``nn.Linear`` of the model but the LM head (its output embeddings) is swapped for a
-:class:`~hf_paged.cpu.quant_linear.QuantLinear` of its weight: "int8" per output channel, "int4" in groups of
-32 (scale and min, the Q4_1 layout). The LM head and the embeddings stay float. A linear whose input width is not
-a multiple of 32 stays float too (one warning naming how many). The swap belongs to the model, shared by its
-engines (:mod:`hf_paged.model_patches`), and :meth:`QuantizedLinears.remove` (the last engine's ``close()``)
-puts the original modules back; they stay referenced meanwhile, so the float weights stay in memory.
+Every plain ``nn.Linear`` of the model is swapped for a :class:`~hf_paged.cpu.quant_linear.QuantLinear` of its
+weight: the decoder linears "int8" per output channel or "int4" in groups of 32 (scale and min, the Q4_1 layout);
+the LM head (its output embeddings, read every step: 108 MiB in fp32 for the default model) as ``q8_0`` (blocks of
+32 with an fp16 scale, GGUF's format for token embeddings) in both cases, unless ``lm_head=False``. The input
+embeddings stay float (a lookup reads a few rows). A linear whose input width is not a multiple of 32 stays float
+(one warning naming how many). With ``quant_activations="int8"`` every ``QuantLinear`` of the model (those just
+made and those a GGUF file brought) runs the int8-activation kernels. The change belongs to the model, shared by
+its engines (:mod:`hf_paged.model_patches`), and :meth:`QuantizedLinears.remove` (the last engine's ``close()``)
+puts the original modules and modes back; the originals stay referenced meanwhile, so the float weights stay in
+memory (the model is the caller's, and int8 weights could not give the same numbers back).
 """
 
 from __future__ import annotations
@@ -14,39 +19,57 @@ import logging
 
 import torch
 
-from hf_paged.cpu.quant_linear import GROUP, QUANTIZATIONS, QuantLinear
+from hf_paged.cpu.quant_linear import ACTIVATIONS, GROUP, QUANTIZATIONS, QuantLinear
 
 logger = logging.getLogger(__name__)
 
+HEAD_FORMAT = "q8_0"
 
-def check_quantization(name: object) -> None:
-    """ValueError unless ``name`` is None or one of :data:`QUANTIZATIONS`."""
+
+def check_quantization(name: object, activations: object = "float") -> None:
+    """ValueError unless ``name`` is None or one of :data:`QUANTIZATIONS` and ``activations`` one of
+    :data:`ACTIVATIONS`."""
     if name is not None and name not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or one of {sorted(QUANTIZATIONS)}, got {name!r}")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"quant_activations must be one of {ACTIVATIONS}, got {activations!r}")
 
 
 class QuantizedLinears:
-    """The model's decoder linears swapped for quantized ones (see the module docstring).
+    """The model's linears swapped for quantized ones, and its quantized linears' activation mode (see the module
+    docstring).
 
     Args:
         model: The model, changed in place.
-        quantization: "int8" or "int4".
+        quantization: "int8", "int4", or None (only set the activation mode).
+        activations: "float" or "int8".
+        lm_head: Quantize the LM head too (as q8_0).
     """
 
-    def __init__(self, model: torch.nn.Module, quantization: str) -> None:
-        check_quantization(quantization)
-        self.quantization = quantization
+    def __init__(self, model: torch.nn.Module, quantization: str | None, activations: str = "float",
+                 lm_head: bool = True) -> None:
+        check_quantization(quantization, activations)
+        self.quantization, self.activations = quantization, activations
         self._swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []  # (parent, name, original)
+        self._modes: list[tuple[QuantLinear, str]] = []  # (layer, its mode before)
+        if quantization is not None:
+            self._swap(model, quantization, lm_head)
+        for layer in model.modules():
+            if type(layer) is QuantLinear and layer.activations != activations:
+                self._modes.append((layer, layer.activations))
+                layer.activations = activations
+
+    def _swap(self, model: torch.nn.Module, quantization: str, lm_head: bool) -> None:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         unfit = []
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
-                if type(child) is not torch.nn.Linear or child is head:
+                if type(child) is not torch.nn.Linear or (child is head and not lm_head):
                     continue
                 if child.in_features % GROUP or child.weight.device.type != "cpu":
                     unfit.append(child)
                     continue
-                setattr(parent, name, QuantLinear.from_linear(child, quantization))
+                setattr(parent, name, QuantLinear.from_linear(child, HEAD_FORMAT if child is head else quantization))
                 self._swapped.append((parent, name, child))
         if unfit:
             logger.warning(
@@ -57,10 +80,13 @@ class QuantizedLinears:
                     sum(getattr(p, n).nbytes for p, n, _ in self._swapped) / 2**20)
 
     def __len__(self) -> int:
-        return len(self._swapped)
+        return len(self._swapped) + len(self._modes) + (self.quantization is None and self.activations != "float")
 
     def remove(self) -> None:
-        """Put the original float modules back."""
+        """Put the original float modules and activation modes back."""
+        for layer, mode in reversed(self._modes):
+            layer.activations = mode
+        self._modes.clear()
         for parent, name, original in reversed(self._swapped):
             setattr(parent, name, original)
         self._swapped.clear()

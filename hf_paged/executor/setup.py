@@ -69,21 +69,23 @@ def build_pool(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, 
 
 
 def maybe_quantize(model: torch.nn.Module, cfg: EngineConfig, device: torch.device) -> QuantizedLinears | None:
-    """The model's linears quantized at start (shared with other engines on the same model), or None."""
-    if cfg.quantization is None:
+    """The model's linears quantized at start and their activation mode (shared with other engines on the same
+    model), or None where neither is asked for."""
+    want = (cfg.quantization, cfg.quant_activations)
+    if want == (None, "float"):
         return None
     if device.type != "cpu":
         raise ValueError(f"quantization={cfg.quantization!r} runs CPU kernels; this model is on {device}")
-    quantized = model_patches.acquire(model, "quantization", lambda: QuantizedLinears(model, cfg.quantization))
-    if quantized is not None and quantized.quantization != cfg.quantization:
+    quantized = model_patches.acquire(model, "quantization", lambda: QuantizedLinears(model, *want))
+    if quantized is not None and (quantized.quantization, quantized.activations) != want:
         model_patches.release(model, "quantization")
         raise ValueError(
-            f"quantization={cfg.quantization!r}: another engine on this model runs it with "
-            f"quantization={quantized.quantization!r}; close it first"
+            f"quantization={cfg.quantization!r}, quant_activations={cfg.quant_activations!r}: another engine on "
+            f"this model runs it with quantization={quantized.quantization!r}, "
+            f"quant_activations={quantized.activations!r}; close it first"
         )
-    if quantized is None:
-        raise ValueError(f"quantization={cfg.quantization!r}: the model has no CPU nn.Linear layer to quantize "
-                         "(the LM head stays float)")
+    if quantized is None and cfg.quantization is not None:
+        raise ValueError(f"quantization={cfg.quantization!r}: the model has no CPU nn.Linear layer to quantize")
     return quantized
 
 

@@ -1,0 +1,76 @@
+/*
+ * What the quantized linear kernels share (quant_gemm.c: float activations; quant_q8.c: int8 activations):
+ * the block formats, the fp16 scale reader and the vector type. Row n of a weight is K / 32 blocks of 32 weights
+ * in GGUF's exact layouts:
+ *   Q8_0 (34 bytes): fp16 d, 32 x int8 q                        w = q * d
+ *   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles                w = (q - 8) * d
+ *   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles        w = q * d + m
+ * (nibbles: byte j holds weight j in its low half and weight j + 16 in its high half), and our own
+ *   INT8 (32 bytes per block, no header): int8 q, with one fp32 scale s[n] per output row    w = q * s[n]
+ */
+#ifndef HF_PAGED_QUANT_COMMON_H
+#define HF_PAGED_QUANT_COMMON_H
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+#define LD(p) (*(const vf*)(p))
+#define NV (32 / VW) /* vectors per block */
+
+enum { QK = 32 };
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_INT8 = 3 };
+
+static inline int block_bytes(int fmt) {
+    switch (fmt) {
+    case FMT_Q8_0: return 34;
+    case FMT_Q4_0: return 18;
+    case FMT_Q4_1: return 20;
+    case FMT_INT8: return 32;
+    default: return 0;
+    }
+}
+
+/* where a block's quants start (after its fp16 d, and m for Q4_1) */
+static inline int quant_offset(int fmt) { return fmt == FMT_Q4_1 ? 4 : fmt == FMT_INT8 ? 0 : 2; }
+
+/* IEEE half -> float, exactly (subnormals, infinities and NaN included) */
+static inline float h2f(const uint8_t* p) {
+#if defined(__F16C__)
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+    return _cvtsh_ss(bits);
+#else
+    const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    const uint32_t s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t f;
+    if (e == 0) {
+        if (m == 0) f = s;
+        else { /* subnormal: m * 2^-24, exact in fp32 */
+            float v = (float)m * (1.0f / 16777216.0f);
+            memcpy(&f, &v, 4);
+            f |= s;
+        }
+    } else if (e == 31) f = s | 0x7f800000u | (m << 13);
+    else f = s | ((e + 112) << 23) | (m << 13);
+    float r;
+    memcpy(&r, &f, 4);
+    return r;
+#endif
+}
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int l = 0; l < VW; ++l) s += v[l];
+    return s;
+}
+#endif

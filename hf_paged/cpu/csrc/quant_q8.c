@@ -1,0 +1,242 @@
+/*
+ * Quantized linear layers with int8 activations (llama.cpp's "Q8" scheme, our own code): y[M, N] =
+ * q8(x)[M, K] @ dequant(W)[N, K]^T (+ bias). A faster mode than quant_gemm.c's float activations, not the exact
+ * reference: each row of x is first quantized in blocks of 32, d = max|x| / 127 and q = round(x / d) (nearest,
+ * ties to even; d in fp32), and the kernel computes exactly the dequantized activations q * d times the dequantized
+ * weights, up to fp32 rounding: per weight block and x block the 32 products are summed as integers (exact),
+ * then scaled by d_w * d_x (and the Q4_1 min adds m_w * d_x * sum(q_x)). hfq8_quantize exposes the activation
+ * rounding so the tests can build the reference.
+ *
+ * The integer dot of 32 unsigned by 32 signed bytes is one VPDPBUSD where the CPU has VNNI (AVX512-VNNI with VL,
+ * or AVX-VNNI), else VPMADDUBSW + VPMADDWD (AVX2; no overflow: |u| <= 128, |s| <= 127). Nibbles are the unsigned
+ * side as they are; signed weights (Q8_0, INT8, Q4_0's q - 8) go in as |w| with the sign moved onto x.
+ * Threads split the output rows, 4 weight rows at a time; each 4 x 4 (or 4 x 2 without AVX-512) tile of x rows
+ * and weight rows keeps its sums in registers and unpacks each weight block once for all its x rows. Every
+ * output is computed by the same operations in the same order whatever M is (a row's result does not depend on
+ * the batch). Built for the host, loaded through ctypes by hf_paged/cpu/quant_linear.py.
+ */
+#include "quant_common.h"
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#if defined(__AVX2__)
+#define HAVE_I8 1
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+enum { MRQ = 4 };
+#else
+enum { MRQ = 2 };
+#endif
+/* 8 int32 sums, lane l = sum of u[4l..4l+3] * s[4l..4l+3] */
+static inline __m256i dot32(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#else
+#define HAVE_I8 0
+enum { MRQ = 1 };
+#endif
+enum { NRQ = 4, AMX_MIN_ROWS = 16 };
+#ifndef PF_GROUPS
+#define PF_GROUPS 4 /* weight-row groups ahead to prefetch: the rows are short (360 bytes at K = 576), the hardware lags */
+#endif
+
+#include "quant_amx.h"
+
+int hfq8_has_simd(void) { return HAVE_I8; }
+
+/* whether batches above 16 rows take AMX tiles here (built for AMX-INT8, and the OS grants its state) */
+int hfq8_amx(void) {
+#if HAVE_AMX
+    return amx_allowed();
+#else
+    return 0;
+#endif
+}
+
+/* x[M, K] -> q[M, K] int8 and d[M, K / 32] fp32 (see the header comment); s[M, K / 32] = d * sum(q) per block */
+int hfq8_quantize(const float* x, int64_t ldx, int M, int K, int8_t* q, float* d, float* s, int num_threads) {
+    if (K % QK) return -1;
+    const int nb = K / QK;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int i = 0; i < M; ++i) {
+        for (int b = 0; b < nb; ++b) {
+            const float* xb = x + i * ldx + b * QK;
+            float amax = 0.0f;
+            for (int j = 0; j < QK; ++j) amax = fmaxf(amax, fabsf(xb[j]));
+            const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+            int8_t* qb = q + (size_t)i * K + b * QK;
+            int sum = 0;
+            for (int j = 0; j < QK; ++j) {
+                const int v = (int)nearbyintf(xb[j] * id);
+                qb[j] = (int8_t)v;
+                sum += v;
+            }
+            d[(size_t)i * nb + b] = db;
+            s[(size_t)i * nb + b] = db * (float)sum;
+        }
+    }
+    return 0;
+}
+
+#if HAVE_I8
+/* one weight block as the unsigned side u (and, for signed formats, the signs w to move onto x) */
+static inline __attribute__((always_inline)) void unpack_i8(const int fmt, const uint8_t* p, __m256i* u, __m256i* w) {
+    if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
+        const __m128i raw = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(15);
+        const __m256i n = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+        if (fmt == FMT_Q4_1) {
+            *u = n;
+            return;
+        }
+        *w = _mm256_sub_epi8(n, _mm256_set1_epi8(8));
+    } else {
+        *w = _mm256_loadu_si256((const __m256i*)p);
+    }
+    *u = _mm256_sign_epi8(*w, *w);
+}
+
+/* y[i][r] for mr x rows and nr weight rows: float sums over the blocks of int dots scaled by d_w * d_x */
+static inline __attribute__((always_inline)) void tile(
+    const int fmt, const int mr, const int nr, const int nb, const uint8_t* w, const size_t row_bytes,
+    const int8_t* xq, const int64_t K, const float* xd, const float* xs, float out[MRQ][NRQ])
+{
+    const int bb = block_bytes(fmt), off = quant_offset(fmt);
+    __m256 acc[MRQ][NRQ];
+    float macc[MRQ][NRQ];
+    for (int i = 0; i < mr; ++i)
+        for (int r = 0; r < nr; ++r) acc[i][r] = _mm256_setzero_ps(), macc[i][r] = 0.0f;
+    for (int b = 0; b < nb; ++b) {
+        __m256i u[NRQ], sg[NRQ];
+        float dw[NRQ], mw[NRQ];
+        for (int r = 0; r < nr; ++r) {
+            const uint8_t* blk = w + r * row_bytes + (size_t)b * bb;
+            if (PF_GROUPS) __builtin_prefetch(blk + PF_GROUPS * NRQ * row_bytes, 0, 3);
+            unpack_i8(fmt, blk + off, &u[r], &sg[r]);
+            dw[r] = fmt == FMT_INT8 ? 1.0f : h2f(blk);
+            mw[r] = fmt == FMT_Q4_1 ? h2f(blk + 2) : 0.0f;
+        }
+        for (int i = 0; i < mr; ++i) {
+            const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + i * K + b * QK));
+            const float dx = xd[i * nb + b];
+            for (int r = 0; r < nr; ++r) {
+                const __m256i s = fmt == FMT_Q4_1 ? x : _mm256_sign_epi8(x, sg[r]);
+                const __m256 f = _mm256_cvtepi32_ps(dot32(u[r], s));
+                acc[i][r] = _mm256_fmadd_ps(f, _mm256_set1_ps(dw[r] * dx), acc[i][r]);
+                if (fmt == FMT_Q4_1) macc[i][r] = fmaf(mw[r], xs[i * nb + b], macc[i][r]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int r = 0; r < nr; ++r) {
+            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][r]), _mm256_extractf128_ps(acc[i][r], 1));
+            const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            out[i][r] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))) + macc[i][r];
+        }
+}
+#else
+static inline void tile(const int fmt, const int mr, const int nr, const int nb, const uint8_t* w,
+                        const size_t row_bytes, const int8_t* xq, const int64_t K, const float* xd, const float* xs,
+                        float out[MRQ][NRQ]) {
+    const int bb = block_bytes(fmt), off = quant_offset(fmt);
+    for (int i = 0; i < mr; ++i)
+        for (int r = 0; r < nr; ++r) {
+            float acc = 0.0f;
+            for (int b = 0; b < nb; ++b) {
+                const uint8_t* blk = w + r * row_bytes + (size_t)b * bb;
+                const uint8_t* p = blk + off;
+                const int8_t* xb = xq + i * K + b * QK;
+                int dot = 0;
+                for (int j = 0; j < QK / 2; ++j) {
+                    int lo, hi;
+                    if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
+                        lo = (p[j] & 15) - (fmt == FMT_Q4_0 ? 8 : 0), hi = (p[j] >> 4) - (fmt == FMT_Q4_0 ? 8 : 0);
+                    } else {
+                        lo = (int8_t)p[j], hi = (int8_t)p[j + QK / 2];
+                    }
+                    dot += lo * xb[j] + hi * xb[j + QK / 2];
+                }
+                acc += (float)dot * ((fmt == FMT_INT8 ? 1.0f : h2f(blk)) * xd[i * nb + b]);
+                if (fmt == FMT_Q4_1) acc = fmaf(h2f(blk + 2), xs[i * nb + b], acc);
+            }
+            out[i][r] = acc;
+        }
+}
+#endif
+
+static void tile_any(int fmt, int mr, int nr, int nb, const uint8_t* w, size_t row_bytes, const int8_t* xq,
+                     int64_t K, const float* xd, const float* xs, float out[MRQ][NRQ]) {
+#define TILE_NR(F, MR_)                                                                      \
+    if (nr == NRQ) tile(F, MR_, NRQ, nb, w, row_bytes, xq, K, xd, xs, out);                  \
+    else tile(F, MR_, 1, nb, w, row_bytes, xq, K, xd, xs, out);
+#define TILE_MR(F)                                                                           \
+    if (mr == MRQ) { TILE_NR(F, MRQ) }                                                       \
+    else if (MRQ > 2 && mr == 3) { TILE_NR(F, 3) }                                           \
+    else if (MRQ > 1 && mr == 2) { TILE_NR(F, 2) }                                           \
+    else { TILE_NR(F, 1) }
+    switch (fmt) {
+    case FMT_Q8_0: TILE_MR(FMT_Q8_0) break;
+    case FMT_Q4_0: TILE_MR(FMT_Q4_0) break;
+    case FMT_Q4_1: TILE_MR(FMT_Q4_1) break;
+    default: TILE_MR(FMT_INT8) break;
+    }
+#undef TILE_MR
+#undef TILE_NR
+}
+
+/*
+ * y[M, N] (row stride ldy) = q8(x)[M, K] (row stride ldx, K a multiple of 32) @ dequant(w)^T + bias (NULL: none);
+ * w and scales as in quant_gemm.c's hfq_linear. Returns 0, -1 for an unknown format or K not a multiple of 32,
+ * -2 when scratch cannot be allocated.
+ */
+int hfq8_linear(const float* x, int64_t ldx, const uint8_t* w, int fmt, const float* scales, const float* bias,
+                float* y, int64_t ldy, int M, int N, int K, int num_threads)
+{
+    const int bb = block_bytes(fmt);
+    if (bb == 0 || K % QK != 0 || (fmt == FMT_INT8 && scales == NULL)) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    const int nb = K / QK;
+    int8_t* xq = aligned_alloc(64, ((size_t)M * K + 63) / 64 * 64);
+    float* xd = malloc(sizeof(float) * 2 * (size_t)M * (nb > 0 ? nb : 1));
+    if (xq == NULL || xd == NULL) {
+        free(xq), free(xd);
+        return -2;
+    }
+    float* xs = xd + (size_t)M * nb;
+    hfq8_quantize(x, ldx, M, K, xq, xd, xs, M >= 64 ? num_threads : 1);
+#if HAVE_AMX
+    if (M > AMX_MIN_ROWS && amx_allowed()) {
+        const int rc = amx_linear(xq, xd, xs, w, fmt, scales, bias, y, ldy, M, N, K, num_threads);
+        free(xq);
+        free(xd);
+        return rc;
+    }
+#endif
+    const size_t row_bytes = (size_t)nb * bb;
+    const int groups = (N + NRQ - 1) / NRQ;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int g = 0; g < groups; ++g) {
+        const int n0 = g * NRQ, nr = N - n0 < NRQ ? 1 : NRQ;
+        for (int n = n0; n < (nr == 1 ? N : n0 + NRQ); n += nr) { /* the last group: one row at a time */
+            for (int m0 = 0; m0 < M; m0 += MRQ) {
+                const int mr = M - m0 < MRQ ? M - m0 : MRQ;
+                float out[MRQ][NRQ];
+                tile_any(fmt, mr, nr, nb, w + (size_t)n * row_bytes, row_bytes, xq + (size_t)m0 * K, K,
+                         xd + (size_t)m0 * nb, xs + (size_t)m0 * nb, out);
+                for (int i = 0; i < mr; ++i)
+                    for (int r = 0; r < nr; ++r) {
+                        const float s = fmt == FMT_INT8 ? scales[n + r] : 1.0f, bn = bias ? bias[n + r] : 0.0f;
+                        y[(m0 + i) * ldy + n + r] = fmaf(out[i][r], s, bn);
+                    }
+            }
+        }
+    }
+    free(xq);
+    free(xd);
+    return 0;
+}
