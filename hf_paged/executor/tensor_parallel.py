@@ -6,7 +6,7 @@ sharding itself is ours, on plain tensors:
 
 - colwise: rank ``r`` keeps its slice of the output rows (and bias). q/k/v are split by whole heads
   (:func:`head_split`): each rank keeps a run of KV heads and the query heads that read them, unevenly where
-  ``N`` does not divide the KV heads (the default model's 3 KV heads over 2 ranks: 2 + 1); with ``N`` a multiple
+  ``N`` does not divide the KV heads (the default model's 3 KV heads over 2 ranks: 1 + 2); with ``N`` a multiple
   of the KV heads, each KV head is replicated on ``N/KV`` ranks (as vLLM does).
 - rowwise: rank ``r`` keeps its slice of the input columns; the partial outputs are summed over ranks by an
   all-reduce (a forward hook); a bias is added by rank 0 only.
@@ -89,7 +89,7 @@ def tp_plan(model: torch.nn.Module) -> dict[str, str]:
 def head_split(heads: int, kv: int, world: int) -> list[tuple[int, int, int, int]]:
     """Per rank: its query heads ``[q0, q1)`` and KV heads ``[k0, k1)``. Query heads follow the KV head they
     read. With at most as many ranks as KV heads, the KV heads are split as evenly as they go (unevenly when the
-    count does not divide: 9 query / 3 KV heads over 2 ranks gives 6+3 query heads); with more ranks, each KV
+    count does not divide: 9 query / 3 KV heads over 2 ranks gives 3 + 6 query heads); with more ranks, each KV
     head is replicated on ``world / kv`` ranks, which split its query heads."""
     if heads % kv:
         raise ValueError(f"{heads} attention heads do not group over {kv} key/value heads")

@@ -8,6 +8,8 @@ interrupted, and tear down what it started. Needs ``pip install hf-paged[ray]``;
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 
 from hf_paged.serving.ray_app import (
@@ -139,23 +141,28 @@ def run_replicas(app, *, host: str, port: int, ray_address: str | None = None, n
     """
     ray, serve = require_ray()
     local = ray_address is None
+    stop = threading.Event()  # Ctrl-C / SIGTERM, whatever handler Ray installed meanwhile
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     ray.init(address=ray_address, include_dashboard=False if local else None, num_cpus=num_cpus if local else None,
              logging_level=logging.WARNING)
     try:
+        for sig in previous:
+            signal.signal(sig, lambda *_: stop.set())
         serve.start(http_options={"host": host, "port": port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         wait_until_running(APP_NAME)
         if on_ready is not None:
             on_ready()
-        while True:
-            time.sleep(1.0)
-    except KeyboardInterrupt:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:  # during start-up, before our handlers
         pass
     finally:
-        try:
-            if local:
-                serve.shutdown()
-            else:
-                serve.delete(APP_NAME)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        try:  # graceful, but bounded: a local instance's ray.shutdown() ends every replica anyway
+            graceful = threading.Thread(target=serve.shutdown if local else lambda: serve.delete(APP_NAME), daemon=True)
+            graceful.start()
+            graceful.join(30.0)
         finally:
             ray.shutdown()
