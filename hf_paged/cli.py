@@ -233,6 +233,16 @@ _MODEL_HELP = "local transformers model folder (default: SmolLM2-135M-Instruct, 
 
 
 def _add_sampling(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
+    _add_model_args(p)
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer (>= 1)")
+    p.add_argument("--temperature", type=float, default=temperature, help="0 is greedy; otherwise > 0")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 disables")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables")
+    p.add_argument("--seed", type=int, default=None, help="seed of each request's own generator (unset: random)")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, its weights and how the engine runs it (generate, batch, serve, chat)."""
     p.add_argument("--model", help=_MODEL_HELP)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and KV cache dtype")
     p.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None,
@@ -245,11 +255,6 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int, temperature: floa
     p.add_argument("--quant-activations", choices=["float", "int8"], default="float",
                    help="quantized linears' kernel mode: float (exact) or int8 (activations rounded to int8 per "
                    "block of 32: faster, slightly different numbers)")
-    p.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer (>= 1)")
-    p.add_argument("--temperature", type=float, default=temperature, help="0 is greedy; otherwise > 0")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 disables")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables")
-    p.add_argument("--seed", type=int, default=None, help="seed of each request's own generator (unset: random)")
 
 
 def _add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
@@ -259,18 +264,7 @@ def _add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
 
 
 def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -> None:
-    p.add_argument("--model", help=_MODEL_HELP)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and KV cache dtype")
-    p.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None,
-                   help="weight-only quantized linears: int8/int4 quantize at start; gguf keeps the default model's "
-                   "Q4_1 GGUF weights as stored (docs/quantization.md)")
-    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
-                   help="shard the model over N processes (torch.distributed; under torchrun, its WORLD_SIZE); "
-                   "docs/tensor_parallel.md")
-    _add_kv_cache_dtype(p)
-    p.add_argument("--quant-activations", choices=["float", "int8"], default="float",
-                   help="quantized linears' kernel mode: float (exact) or int8 (activations rounded to int8 per "
-                   "block of 32: faster, slightly different numbers)")
+    _add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=port, help="port to listen on")
     p.add_argument("--max-num-seqs", type=_positive_int, default=max_num_seqs, help="most sequences in one batch")

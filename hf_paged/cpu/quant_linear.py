@@ -77,22 +77,21 @@ def _probe_cases(lib: ctypes.CDLL, activations: str):
             probes.check_close(got, want, f"{fmt} quantized linear, {activations} activations ({rows} rows)")
 
 
-def _probe(dtype: torch.dtype) -> None:
+def _probe_mode(dtype: torch.dtype, library, activations: str, what: str) -> None:
     if dtype != torch.float32:
         raise NotImplementedError("the quantized linear kernel takes fp32 activations")
-    lib = QUANT_GEMM.load()
+    lib = library.load()
     if lib is None:
-        raise RuntimeError(f"the native quantized linear kernel is not built: {QUANT_GEMM.why}")
-    _probe_cases(lib, "float")
+        raise RuntimeError(f"the {what} is not built: {library.why}")
+    _probe_cases(lib, activations)
+
+
+def _probe(dtype: torch.dtype) -> None:
+    _probe_mode(dtype, QUANT_GEMM, "float", "native quantized linear kernel")
 
 
 def _probe_q8(dtype: torch.dtype) -> None:
-    if dtype != torch.float32:
-        raise NotImplementedError("the quantized linear kernel takes fp32 activations")
-    lib = QUANT_Q8.load()
-    if lib is None:
-        raise RuntimeError(f"the int8-activation kernel is not built: {QUANT_Q8.why}")
-    _probe_cases(lib, "int8")
+    _probe_mode(dtype, QUANT_Q8, "int8", "int8-activation kernel")
 
 
 probes.register("linear.quant", _probe)
