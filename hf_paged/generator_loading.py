@@ -3,6 +3,9 @@ loading its own shard."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
 from hf_paged.config import EngineConfig
@@ -15,8 +18,8 @@ def from_pretrained(cls, path: str, tokenizer=None, dtype: str | torch.dtype = "
     rank r on GPU ``LOCAL_RANK`` under torchrun, else GPU r, NCCL between them).
 
     With ``tensor_parallel_size=N`` > 1 every rank loads the folder itself and keeps its shard; under
-    ``torchrun`` the ranks other than 0 serve as workers here until rank 0 closes its engine, then exit
-    (``SystemExit(0)``): code after this call runs on rank 0 only.
+    ``torchrun`` the ranks other than 0 serve as workers here until rank 0 closes its engine, then exit with
+    status 0: code after this call runs on rank 0 only.
     """
     from hf_paged.default_model import load_model
     from hf_paged.executor.multiproc import ModelSource, worker_entry
@@ -34,5 +37,8 @@ def from_pretrained(cls, path: str, tokenizer=None, dtype: str | torch.dtype = "
         raise ValueError(f"device must be 'cpu' or 'cuda' with tensor_parallel_size > 1, got {device!r}")
     source = ModelSource(path=str(path), dtype=str(dtype).removeprefix("torch."), device=device)
     if worker_entry(source, EngineConfig.from_kwargs(**config)):
-        raise SystemExit(0)
+        # this worker rank is done: exit at once (interpreter teardown can race c10d's threads into an abort)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return cls(source, tokenizer, **config)

@@ -133,6 +133,7 @@ def _spawned_worker(source, cfg, rank, world, init_method, timeout_s, threads, c
         run_worker(source, cfg, rank, world, init_method, timeout_s, conn)
     except BaseException:  # noqa: BLE001 - already reported through conn
         os._exit(1)
+    os._exit(0)  # done: no interpreter teardown (it can race c10d's threads into an abort)
 
 
 def worker_entry(source, cfg: EngineConfig) -> bool:
