@@ -203,17 +203,22 @@ class TensorParallelExecutor(Executor):
         self.num_host_blocks = self.inner.num_host_blocks
         self.comm_seconds = 0.0  # time spent broadcasting steps (the all-reduces are inside the forward)
         # an engine never closed (a script that just ends) still tells its workers to stop at exit
-        self._at_exit = weakref.finalize(self, TensorParallelExecutor._stop_workers, self.processes)
+        self._at_exit = weakref.finalize(self, TensorParallelExecutor._stop_workers, self.processes, True)
 
     @staticmethod
-    def _stop_workers(processes) -> None:
-        if any(p.is_alive() for p in processes) and dist.is_initialized():
+    def _stop_workers(processes, broadcast: bool) -> None:
+        """Tell every rank to stop (``broadcast``: while the group still works), then end the spawned ones:
+        5 s to exit on their own, killed after that."""
+        if broadcast and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.broadcast_object_list([None], src=0)
+        deadline = time.monotonic() + 5.0
         for proc in processes:
-            proc.join(5.0)
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in processes:
             if proc.is_alive():
                 proc.kill()
+                proc.join(5.0)
 
     # -- start --------------------------------------------------------------------------------------
     def _spawn(self, source: ModelSource, cfg: EngineConfig, init_method: str) -> None:
@@ -325,16 +330,7 @@ class TensorParallelExecutor(Executor):
 
     # -- end ----------------------------------------------------------------------------------------
     def _shutdown(self, broadcast: bool) -> None:
-        if broadcast and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.broadcast_object_list([None], src=0)
-        deadline = time.monotonic() + 5.0
-        for proc in self.processes:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5.0)
+        self._stop_workers(self.processes, broadcast)
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
