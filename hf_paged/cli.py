@@ -252,9 +252,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="shard the model over N processes (torch.distributed; under torchrun, its WORLD_SIZE); "
                    "docs/tensor_parallel.md")
     _add_kv_cache_dtype(p)
-    p.add_argument("--quant-activations", choices=["float", "int8"], default="float",
-                   help="quantized linears' kernel mode: float (exact) or int8 (activations rounded to int8 per "
-                   "block of 32: faster, slightly different numbers)")
+    p.add_argument("--quant-activations", choices=["float", "int8", "bf16"], default="float",
+                   help="quantized linears' kernel mode: float (exact), int8 (activations rounded to int8 per "
+                   "block of 32) or bf16 (activations and weights rounded to bf16, AMX tiles: fastest for large "
+                   "batches); int8 and bf16 are faster and give slightly different numbers")
 
 
 def _add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
@@ -327,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_cache_dtype(bench)
     bench.add_argument("--systems", help="comma-separated subset, e.g. padded,hf_paged; chat and latency also take "
                        "eager (hf_paged with enforce_eager=True, for A/B runs); chat and latency also gguf_q4_1, int8, "
-                       "int4 (quantized weights; with -a8, e.g. int8-a8: int8 activations); chat also tp2 "
+                       "int4 (quantized weights; with -a8 or -bf16, e.g. int8-a8: int8 or bf16 activations); chat also tp2 "
                        "(tensor_parallel_size=2); replicas: pow2,prefix (routings)")
     bench.add_argument("--clients", help="serve: concurrent HTTP clients per level (default 1,16,64)")
     bench.add_argument("--requests", type=_positive_int, help="serve: requests per level (default max(N, 16), "

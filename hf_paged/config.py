@@ -105,9 +105,11 @@ class EngineConfig:
             :mod:`hf_paged.cpu.quant_linear`: "int8" (per output channel) or "int4" (groups of 32 with a scale
             and a min), the LM head as q8_0 in both cases. None: the weights as they are. The original layers
             come back at the last ``close()``. See docs/quantization.md.
-        quant_activations: The quantized linears' kernel mode: "float" (fp32 activations, the exact reference)
-            or "int8" (activations rounded to int8 per block of 32 and integer dot products: faster, slightly
-            different numbers). Applies to the layers ``quantization`` makes and to a GGUF model's own.
+        quant_activations: The quantized linears' kernel mode: "float" (fp32 activations, the exact reference),
+            "int8" (activations rounded to int8 per block of 32 and integer dot products) or "bf16" (activations
+            and dequantized weights rounded to bf16, AMX-BF16 tiles; where the CPU has none, the float kernel
+            with one warning): faster, slightly different numbers. Applies to the layers ``quantization`` makes
+            and to a GGUF model's own.
         tensor_parallel_size: Processes the model is sharded over (tensor parallelism on ``torch.distributed``,
             gloo on CPU, NCCL on CUDA): the engine spawns ``N - 1`` workers, or joins ``torchrun``'s ranks.
             See docs/tensor_parallel.md.

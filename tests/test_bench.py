@@ -42,3 +42,21 @@ def test_prefix_workload_requests_and_fork_block_count():
     blocks = fork_blocks(make_model("llama"), make_prompts(1, [512], seed=3)[0], n=8, new_tokens=32)
     # 32 shared prompt blocks + 8 x 2 private vs 8 x 34 (see docs/benchmarks.md)
     assert blocks["n=8"] <= blocks["8 separate"] / 4, blocks
+
+
+def test_quantized_system_names_choose_weights_and_kernel_mode():
+    """``--systems int4-bf16`` etc.: the name's base picks the weights, its suffix the kernel mode; and the command
+    line's --quant-activations reaches the engine keywords."""
+    import argparse
+
+    from hf_paged.bench.workloads import QUANTIZED, quantized_engine
+    from hf_paged.cli_engine import engine_options
+
+    model = object()
+    assert quantized_engine("int4", "fp32", model) == (model, {"quantization": "int4"})
+    assert quantized_engine("int8-a8", "fp32", model) == (model, {"quantization": "int8", "quant_activations": "int8"})
+    assert quantized_engine("int4-bf16", "fp32", model) == (model, {"quantization": "int4", "quant_activations": "bf16"})
+    assert {"gguf_q4_1-bf16", "int8-bf16", "int4-a8"} <= set(QUANTIZED) and len(QUANTIZED) == 9
+    args = argparse.Namespace(quantization="int4", quant_activations="bf16", kv_cache_dtype="auto",
+                              tensor_parallel_size=1)
+    assert engine_options(args) == {"quantization": "int4", "quant_activations": "bf16"}

@@ -1,17 +1,19 @@
 """The quantized linear kernels' batch paths and modes, each against a dequantize-then-``F.linear`` reference:
-the float-activation tiled path (batches above 16 rows) and the int8-activation mode (``csrc/quant_q8.c``: AMX
+the float-activation tiled path (batches above 16 rows), the int8-activation mode (``csrc/quant_q8.c``: AMX
 tiles above 16 rows where the host has AMX-INT8), in the host build and in builds beside it: without AMX, and
-AVX2 only (the int8 one also without VNNI: the VPMADDUBSW path)."""
+AVX2 only (the int8 one also without VNNI: the VPMADDUBSW path); and the bf16-activation mode
+(``csrc/quant_bf16.c``, AMX-BF16 only) with its fallback to the float kernel where the CPU has no AMX-BF16."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hf_paged.cpu import quant_linear as ql
-from hf_paged.cpu.quant_linear import FORMATS, QuantLinear, dequantize_torch, quantize_activations
+from hf_paged.cpu.quant_linear import FORMATS, QuantLinear, dequantize_torch, quantize_activations, round_bf16
 
 FLOAT_LIBS = {"host": ql.QUANT_GEMM, "avx2": ql.QUANT_GEMM_AVX2}
 Q8_LIBS = {"host": ql.QUANT_Q8, "no_amx": ql.QUANT_Q8_NO_AMX, "avx2": ql.QUANT_Q8_AVX2}
+BF16_LIBS = {"host": ql.QUANT_BF16, "no_amx": ql.QUANT_BF16_NO_AMX}
 
 
 def _load(libs, name):
@@ -104,6 +106,78 @@ def test_int8_mode_without_its_library_uses_float_kernel_or_torch(monkeypatch):
     torch.testing.assert_close(layer(x).double(), want, atol=1e-4, rtol=1e-5)
 
 
+def _amx_bf16():
+    lib = _load(BF16_LIBS, "host")
+    if not lib.hfqb_available():
+        pytest.skip("this CPU (or its OS) has no AMX-BF16: the bf16 mode runs the float kernel (tested below)")
+    return lib
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 64, 71])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_activations_equal_rounded_x_times_rounded_w(fmt, rows):
+    """The bf16 kernel computes bf16(x) @ bf16(dequant(W))^T (+ bias) with fp32 sums, every batch size on AMX tiles
+    (37 weight rows: two whole tiles and a partial one; 71 x rows: a pass of 64 and one of 7); strided input rows;
+    no bias; and far from x @ dequant(W)^T, so it cannot silently be the float kernel."""
+    native = _amx_bf16()
+    layer, ref = _case(fmt, seed=rows)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows + 3))
+    got = layer._call(native.hfqb_linear, x).double()
+    want = F.linear(round_bf16(x).double(), round_bf16(ref.float()).double(), layer.bias.double())
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    assert (got - F.linear(x.double(), ref, layer.bias.double())).abs().max() > 1e-3
+    wide = torch.randn(rows, 128)
+    wide[:, :96] = x
+    assert torch.equal(layer._call(native.hfqb_linear, wide[:, :96]).double(), got)
+    layer.bias = None
+    torch.testing.assert_close(layer._call(native.hfqb_linear, x).double(),
+                               F.linear(round_bf16(x).double(), round_bf16(ref.float()).double()), atol=1e-4, rtol=1e-5)
+
+
+def test_bf16_mode_rows_do_not_depend_on_the_batch_and_forward_uses_it():
+    native = _amx_bf16()
+    layer, ref = _case("q4_0", n=45, k=128)
+    layer.activations = "bf16"
+    assert ql.kernel("bf16") == (native.hfqb_linear, "bf16")
+    x = torch.randn(100, 128, generator=torch.Generator().manual_seed(6))
+    full = layer(x)
+    assert torch.equal(full, layer._call(native.hfqb_linear, x))
+    for lo, hi in ((0, 1), (7, 8), (2, 19), (30, 100), (99, 100)):
+        assert torch.equal(full[lo:hi], layer(x[lo:hi]))
+
+
+def test_bf16_build_without_amx_says_so_and_the_mode_falls_back_to_float(monkeypatch, caplog):
+    """A build without AMX-BF16 (an AVX2 or AVX-512-only CPU) reports it and refuses to compute (-3); the probe
+    fails with the reason, and layers in bf16 mode run the exact float kernel, warned once; with no kernel at all,
+    torch rounds x and W to bf16 as the kernel does."""
+    native = _load(BF16_LIBS, "no_amx")
+    assert native.hfqb_available() == 0
+    layer, ref = _case("q8_0")
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(4))
+    y = torch.empty(4, 37)
+    assert native.hfqb_linear(x.data_ptr(), 96, layer.qweight.data_ptr(), FORMATS["q8_0"], None, None, y.data_ptr(),
+                              37, 4, 37, 96, 1) == -3
+    monkeypatch.setattr(ql, "QUANT_BF16", ql.QUANT_BF16_NO_AMX)
+    monkeypatch.setitem(ql._PATHS, "bf16", ("linear.quant_bf16", ql.QUANT_BF16_NO_AMX))
+    monkeypatch.setattr(ql, "_warned", set())
+    ql.probes.reset("linear.quant_bf16")
+    try:
+        with caplog.at_level("WARNING", logger="hf_paged.cpu.quant_linear"):
+            fn, mode = ql.kernel("bf16")
+            ql.kernel("bf16")
+        assert mode == "float" and fn == ql.QUANT_GEMM.load().hfq_linear
+        warned = [r.getMessage() for r in caplog.records if "bf16 activations" in r.getMessage()]
+        assert len(warned) == 1 and "no AMX-BF16" in warned[0], warned
+        layer.activations = "bf16"
+        torch.testing.assert_close(layer(x).double(), F.linear(x.double(), ref, layer.bias.double()), atol=1e-4,
+                                   rtol=1e-5)
+    finally:
+        ql.probes.reset("linear.quant_bf16")
+    monkeypatch.setattr(ql, "native_library", lambda activations="float": None)
+    want = F.linear(round_bf16(x).double(), round_bf16(ref.float()).double(), layer.bias.double())
+    torch.testing.assert_close(layer(x).double(), want, atol=1e-4, rtol=1e-5)
+
+
 def test_bad_activation_mode():
-    with pytest.raises(ValueError, match=r"activations must be one of \('float', 'int8'\), got 'int4'"):
+    with pytest.raises(ValueError, match=r"activations must be one of \('float', 'int8', 'bf16'\), got 'int4'"):
         QuantLinear.from_weight(torch.randn(4, 64), None, "q8_0", activations="int4")

@@ -16,7 +16,7 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("activations", ["float", "int8", "bf16"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_engine_equals_stock_generate_on_the_same_quantized_model(quantization, activations):
     """The engine quantizes at start (the LM head as q8_0); stock generate on a copy quantized the same way
@@ -63,7 +63,7 @@ def test_engines_share_one_quantization_and_refuse_another():
 def test_bad_quantization_names_and_shapes(caplog):
     with pytest.raises(ValueError, match=r"quantization must be None or one of \['int4', 'int8'\], got 'fp8'"):
         EngineConfig(quantization="fp8")
-    with pytest.raises(ValueError, match=r"quant_activations must be one of \('float', 'int8'\), got 'int4'"):
+    with pytest.raises(ValueError, match=r"quant_activations must be one of \('float', 'int8', 'bf16'\), got 'int4'"):
         EngineConfig(quantization="int8", quant_activations="int4")
     model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 40), torch.nn.Linear(40, 4))
     with caplog.at_level(logging.WARNING):

@@ -17,15 +17,16 @@ from hf_paged.default_model import load_default, parse_dtype
 
 ENGINE = "hf_paged"
 EAGER = "eager"  # --systems name of the engine run with enforce_eager=True (chat, latency)
-# --systems names of the engine on quantized weights (chat, latency); "-a8": with int8 activations
 TP2 = "tp2"  # --systems name of the engine with tensor_parallel_size=2 (chat)
-QUANTIZED = tuple(f"{n}{a}" for n in ("gguf_q4_1", "int8", "int4") for a in ("", "-a8"))
+# --systems names of the engine on quantized weights (chat, latency); "-a8" / "-bf16": with int8 / bf16 activations
+QUANT_ACTIVATIONS = {"": "float", "a8": "int8", "bf16": "bf16"}
+QUANTIZED = tuple(f"{n}{'-' if a else ''}{a}" for n in ("gguf_q4_1", "int8", "int4") for a in QUANT_ACTIVATIONS)
 
 
 def quantized_engine(name: str, dtype: str, model) -> tuple:
     """``(model, engine keywords)`` of a :data:`QUANTIZED` system (the GGUF file's weights load anew)."""
-    base, _, a8 = name.partition("-")
-    kw = {"quant_activations": "int8"} if a8 else {}
+    base, _, mode = name.partition("-")
+    kw = {"quant_activations": QUANT_ACTIVATIONS[mode]} if mode else {}
     if base == "gguf_q4_1":
         return load_default(parse_dtype(dtype), quantized=True)[0], kw
     return model, {**kw, "quantization": base}

@@ -15,7 +15,9 @@ FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3}  # the C kernel's format 
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "int8": 32}
 QUANTIZATIONS = {"int8": "int8", "int4": "q4_1"}  # quantize-at-start names -> storage format
 
-ACTIVATIONS = ("float", "int8")  # kernel modes: exact float activations, or activations rounded to int8 per block
+# kernel modes: exact float activations; activations rounded to int8 per block; activations and dequantized weights
+# rounded to bf16 (AMX-BF16 tiles)
+ACTIVATIONS = ("float", "int8", "bf16")
 
 
 def check_format(fmt: str, in_features: int) -> None:
@@ -89,6 +91,12 @@ def quantize(weight: torch.Tensor, quantization: str) -> tuple[str, torch.Tensor
         q = torch.round((blocks - m.float()) * inv).clamp(0, 15).to(torch.uint8)
         body = [d.view(torch.uint8), m.view(torch.uint8), q[..., :16] | (q[..., 16:] << 4)]
     return fmt, torch.cat(body, dim=-1).reshape(n, -1).contiguous(), None
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to bf16 (nearest, ties to even) and back to fp32: what the ``activations="bf16"`` kernel does to
+    each activation and each dequantized weight before the fp32 dot products."""
+    return x.float().bfloat16().float()
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:

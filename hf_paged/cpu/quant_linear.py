@@ -11,9 +11,12 @@ in_features // 32 * block_bytes]``) in one of :data:`FORMATS` (:mod:`hf_paged.cp
 - ``"int8"``: each row of activations rounded to int8 per block of 32 (:func:`quantize_activations`), integer
   dot products (VNNI where present), for every batch size: faster, and different numbers (exactly the rounded
   activations times the dequantized weights, up to fp32 rounding).
+- ``"bf16"``: activations and dequantized weights rounded to bf16 (:func:`round_bf16`), products summed in fp32
+  on AMX-BF16 tiles (``csrc/quant_bf16.c``), for every batch size: the fast mode for large batches, on CPUs with
+  AMX-BF16 only.
 
-Where a C library cannot be built or fails its probe, calls take the other path (int8 -> float) or dequantize in
-torch (one warning).
+Where a C library cannot be built, fails its probe or (bf16) the CPU lacks AMX-BF16, calls take the float kernel
+(int8, bf16 -> float; one warning) or dequantize in torch (one warning).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from hf_paged.cpu import probes
 from hf_paged.cpu.native import NativeLibrary
 from hf_paged.cpu.quant_formats import (  # noqa: F401 - re-exported
     ACTIVATIONS, BLOCK_BYTES, FORMATS, GROUP, QUANTIZATIONS, check_format, dequantize_torch, quantize,
-    quantize_activations,
+    quantize_activations, round_bf16,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,8 +52,10 @@ _Q8_FUNCTIONS = {
     "hfq8_linear": _LINEAR,
     "hfq8_quantize": (_i32, [_ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i32]),
 }
+_BF16_FUNCTIONS = {"hfqb_available": (_i32, []), "hfqb_linear": _LINEAR}
 QUANT_GEMM = NativeLibrary("quant_gemm.c", _FUNCTIONS, what="the native quantized linear kernel")
 QUANT_Q8 = NativeLibrary("quant_q8.c", _Q8_FUNCTIONS, what="the int8-activation quantized linear kernel")
+QUANT_BF16 = NativeLibrary("quant_bf16.c", _BF16_FUNCTIONS, what="the bf16-activation (AMX) quantized linear kernel")
 # The same sources without AVX-512 (the AVX2 + FMA baseline; for int8 activations also without AVX-VNNI), for
 # tests on AVX-512 hosts.
 QUANT_GEMM_AVX2 = NativeLibrary("quant_gemm.c", _FUNCTIONS, ("-mno-avx512f",), what="the AVX2 quantized linear kernel")
@@ -59,6 +64,9 @@ QUANT_Q8_AVX2 = NativeLibrary("quant_q8.c", _Q8_FUNCTIONS, ("-mno-avx512f", "-mn
 # ... and without AMX (the VNNI vector path for batches above 16 rows too)
 QUANT_Q8_NO_AMX = NativeLibrary("quant_q8.c", _Q8_FUNCTIONS, ("-mno-amx-tile", "-mno-amx-int8"),
                                 what="the int8-activation quantized linear kernel without AMX")
+# ... and the bf16 kernel without AMX (as on a CPU without AMX-BF16: it reports so and refuses), for tests
+QUANT_BF16_NO_AMX = NativeLibrary("quant_bf16.c", _BF16_FUNCTIONS, ("-mno-amx-tile", "-mno-amx-bf16"),
+                                  what="the bf16-activation quantized linear kernel without AMX")
 _warned: set[str] = set()
 
 
@@ -71,10 +79,27 @@ def _probe_cases(lib: ctypes.CDLL, activations: str):
         ref = dequantize_torch(layer.qweight, fmt, layer.scales, 64)
         for rows in (1, 5, 17):
             x = torch.randn(rows, 64, generator=g)
-            xin = x if activations == "float" else quantize_activations(x)
-            want = torch.nn.functional.linear(xin, ref, b)
-            got = layer._call(lib.hfq_linear if activations == "float" else lib.hfq8_linear, x)
+            xin, wref = _reference_operands(activations, x, ref)
+            want = torch.nn.functional.linear(xin, wref, b)
+            got = layer._call(_linear_fn(lib, activations), x)
             probes.check_close(got, want, f"{fmt} quantized linear, {activations} activations ({rows} rows)")
+
+
+def _reference_operands(activations: str, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, w)`` rounded as the kernel mode ``activations`` rounds them (the fp32 weight dequantized already)."""
+    if activations == "int8":
+        return quantize_activations(x.reshape(-1, x.shape[-1])).view(x.shape).to(x.dtype), w
+    if activations == "bf16":
+        return round_bf16(x).to(x.dtype), round_bf16(w)
+    return x, w
+
+
+_LINEAR_NAMES = {"float": "hfq_linear", "int8": "hfq8_linear", "bf16": "hfqb_linear"}
+
+
+def _linear_fn(lib: ctypes.CDLL, activations: str):
+    """The linear function of mode ``activations`` in ``lib`` (a build of that mode's source)."""
+    return getattr(lib, _LINEAR_NAMES[activations])
 
 
 def _probe_mode(dtype: torch.dtype, library, activations: str, what: str) -> None:
@@ -83,6 +108,8 @@ def _probe_mode(dtype: torch.dtype, library, activations: str, what: str) -> Non
     lib = library.load()
     if lib is None:
         raise RuntimeError(f"the {what} is not built: {library.why}")
+    if activations == "bf16" and not lib.hfqb_available():
+        raise RuntimeError("this CPU (or its OS) has no AMX-BF16 tiles, which the bf16 mode needs")
     _probe_cases(lib, activations)
 
 
@@ -95,8 +122,14 @@ def _probe_q8(dtype: torch.dtype) -> None:
 
 
 probes.register("linear.quant", _probe)
+def _probe_bf16(dtype: torch.dtype) -> None:
+    _probe_mode(dtype, QUANT_BF16, "bf16", "bf16-activation kernel")
+
+
 probes.register("linear.quant_q8", _probe_q8)
-_PATHS = {"float": ("linear.quant", QUANT_GEMM), "int8": ("linear.quant_q8", QUANT_Q8)}
+probes.register("linear.quant_bf16", _probe_bf16)
+_PATHS = {"float": ("linear.quant", QUANT_GEMM), "int8": ("linear.quant_q8", QUANT_Q8),
+          "bf16": ("linear.quant_bf16", QUANT_BF16)}
 
 
 def native_library(activations: str = "float") -> ctypes.CDLL | None:
@@ -110,7 +143,7 @@ def native_library(activations: str = "float") -> ctypes.CDLL | None:
         return library.load()
     if path not in _warned:
         _warned.add(path)
-        then = "float activations" if activations == "int8" else "dequantize in torch on every call (slow)"
+        then = "float activations" if activations != "float" else "dequantize in torch on every call (slow)"
         logger.warning("quantized linears with %s activations: %s instead: %s", activations, then, result.reason)
     return None
 
@@ -118,10 +151,10 @@ def native_library(activations: str = "float") -> ctypes.CDLL | None:
 def kernel(activations: str) -> tuple:
     """``(function, mode)``: the C linear of ``activations`` where it passes its probe, else the float one (or
     ``(None, None)``: dequantize in torch)."""
-    if activations == "int8":
-        lib = native_library("int8")
+    if activations != "float":
+        lib = native_library(activations)
         if lib is not None:
-            return lib.hfq8_linear, "int8"
+            return _linear_fn(lib, activations), activations
     lib = native_library("float")
     return (None, None) if lib is None else (lib.hfq_linear, "float")
 
@@ -136,8 +169,8 @@ class QuantLinear(torch.nn.Module):
         qweight: uint8 ``[N, K // 32 * BLOCK_BYTES[fmt]]``, the blocks of each row in order.
         scales: fp32 ``[N]`` row scales (``"int8"`` only).
         bias: ``[N]`` or None.
-        activations: The kernel mode, "float" (exact) or "int8" (see the module docstring); an attribute that
-            may be changed later.
+        activations: The kernel mode, "float" (exact), "int8" or "bf16" (see the module docstring); an attribute
+            that may be changed later.
     """
 
     def __init__(self, in_features: int, out_features: int, fmt: str, qweight: torch.Tensor,
@@ -199,14 +232,13 @@ class QuantLinear(torch.nn.Module):
         fn, mode = kernel(self.activations) if x.device.type == "cpu" else (None, None)
         rows = math.prod(x.shape[:-1])
         if fn is None or (mode == "float" and rows > TILED_ROWS) or (torch.is_grad_enabled() and x.requires_grad):
-            if self.activations == "int8":
-                x = quantize_activations(x.reshape(-1, self.in_features)).view(x.shape).to(x.dtype)
+            x, w = _reference_operands(mode or self.activations, x, self.dequantize())
             bias = None if self.bias is None else self.bias.to(x.dtype)
-            return torch.nn.functional.linear(x, self.dequantize().to(x.device, x.dtype), bias)
+            return torch.nn.functional.linear(x, w.to(x.device, x.dtype), bias)
         return self._call(fn, x)
 
     def _call(self, fn, x: torch.Tensor) -> torch.Tensor:
-        """``fn`` (``hfq_linear`` or ``hfq8_linear`` of some build) on ``x [..., K]``."""
+        """``fn`` (``hfq_linear``, ``hfq8_linear`` or ``hfqb_linear`` of some build) on ``x [..., K]``."""
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or x2.stride(-1) != 1:
             x2 = x2.float().contiguous()

@@ -69,7 +69,7 @@ class QuantOp:
                  threads: int) -> None:
         self.fn, mode = kernel(layer.activations)
         assert self.fn is not None, "QuantOp needs the native quantized kernel"
-        self.limit = TILED_ROWS if mode == "float" else None  # int8 activations: one kernel for every batch
+        self.limit = TILED_ROWS if mode == "float" else None  # int8, bf16 activations: one kernel for every batch
         self.layer, self.x, self.y, self.rows = layer, x, y, rows
         scales = None if layer.scales is None else layer.scales.data_ptr()
         bias = None if layer.bias is None else layer.bias.data_ptr()

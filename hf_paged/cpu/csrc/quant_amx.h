@@ -6,23 +6,10 @@
  * as the vector path does per block. Linux asks the kernel for the AMX state once (arch_prctl); where it refuses,
  * the vector path serves.
  */
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#if HAVE_AMX_TILE && defined(__AMX_INT8__)
 #define HAVE_AMX 1
 
 enum { AT = 16, AG = 4 }; /* tile: 16 weight rows by 16 x rows; blocks in flight */
-
-struct amx_config { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
-
-static int amx_allowed(void) {
-    static int state = 0; /* 0 unknown, 1 granted, -1 refused */
-    if (state == 0) {
-        const long rc = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */);
-        state = rc == 0 ? 1 : -1;
-    }
-    return state == 1;
-}
 
 static void amx_configure(void) {
     struct amx_config c;

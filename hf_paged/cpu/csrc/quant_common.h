@@ -68,6 +68,26 @@ static inline float h2f(const uint8_t* p) {
 #endif
 }
 
+#if defined(__AMX_TILE__) && defined(__AVX512F__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX_TILE 1
+/* AMX tile configuration (palette 1): per tile its rows and bytes per row */
+struct amx_config { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+/* whether Linux grants this process the AMX tile state (asked once: arch_prctl ARCH_REQ_XCOMP_PERM) */
+static __attribute__((unused)) int amx_allowed(void) {
+    static int state = 0; /* 0 unknown, 1 granted, -1 refused */
+    if (state == 0) {
+        const long rc = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */);
+        state = rc == 0 ? 1 : -1;
+    }
+    return state == 1;
+}
+#else
+#define HAVE_AMX_TILE 0
+#endif
+
 static inline float hsum(vf v) {
     float s = 0.0f;
     for (int l = 0; l < VW; ++l) s += v[l];
