@@ -30,7 +30,7 @@
 #if HAVE_AMX_TILE && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define HAVE_AMX_BF16 1
 
-enum { T = 16, CT = 4 }; /* tile edge; C tiles (groups of 16 x rows) per pass */
+enum { T = 16 }; /* tile edge */
 
 static void configure(void) { /* every tile 16 rows of 64 bytes */
     struct amx_config c;
@@ -66,6 +66,8 @@ static void pack_x(const float* x, int64_t ldx, int M, int K, uint16_t* xb, int 
 static inline __attribute__((always_inline)) void pack_w(const int fmt, const uint8_t* w, size_t row_bytes,
                                                          const float* scales, int nr, int nb, uint16_t* a) {
     const int bb = block_bytes(fmt), off = quant_offset(fmt);
+    const __m512 nib_q4_1 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 nib_q4_0 = _mm512_sub_ps(nib_q4_1, _mm512_set1_ps(8.0f));
     for (size_t l = 0; l < T * row_bytes; l += 64) __builtin_prefetch(w + T * row_bytes + l, 0, 3); /* next tile */
     for (int b = 0; b < nb; ++b) {
         const uint8_t* blk = w + (size_t)b * bb;
@@ -74,11 +76,15 @@ static inline __attribute__((always_inline)) void pack_w(const int fmt, const ui
             const uint8_t* p = blk + off;
             __m512 lo, hi;
             if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
+                /* the 16 values a nibble can stand for, q * d (+ m), rounded to bf16; the nibbles pick from them */
+                __m512 v = _mm512_mul_ps(fmt == FMT_Q4_0 ? nib_q4_0 : nib_q4_1, _mm512_set1_ps(h2f(blk)));
+                if (fmt == FMT_Q4_1) v = _mm512_add_ps(v, _mm512_set1_ps(h2f(blk + 2)));
                 const __m128i raw = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(15);
-                __m128i l4 = _mm_and_si128(raw, mask), h4 = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-                if (fmt == FMT_Q4_0) l4 = _mm_sub_epi8(l4, _mm_set1_epi8(8)), h4 = _mm_sub_epi8(h4, _mm_set1_epi8(8));
-                lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(l4));
-                hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h4));
+                const __m128i l4 = _mm_and_si128(raw, mask), h4 = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+                const __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(h4, l4));
+                const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
+                _mm512_store_si512(dst, _mm512_permutexvar_epi16(idx, table));
+                continue;
             } else {
                 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
                 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
@@ -92,7 +98,7 @@ static inline __attribute__((always_inline)) void pack_w(const int fmt, const ui
             _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
-    for (int r = nr; r < T; ++r)
+    for (int r = nr > 0 ? nr : 0; r < T; ++r)
         for (int b = 0; b < nb; ++b) memset(a + ((size_t)b * T + r) * QK, 0, QK * 2);
 }
 
@@ -105,66 +111,98 @@ static void pack_w_any(int fmt, const uint8_t* w, size_t row_bytes, const float*
     }
 }
 
-/* C tiles 0..cnt-1 += A(b) B(g + c, b) over the blocks; cnt a constant at each call site so the tile numbers are */
-#define PASS(cnt)                                                                                        \
-    do {                                                                                                 \
-        for (int c = 0; c < (cnt); ++c) {                                                                \
-            if (c == 0) _tile_zero(0);                                                                   \
-            if (c == 1) _tile_zero(1);                                                                   \
-            if (c == 2) _tile_zero(2);                                                                   \
-            if (c == 3) _tile_zero(3);                                                                   \
-        }                                                                                                \
-        for (int b = 0; b < nb; ++b) {                                                                   \
-            _tile_loadd(4, a + (size_t)b * T * QK, 64);                                                  \
-            const uint16_t* xg = xb + ((size_t)g * nb + b) * T * QK;                                     \
-            const size_t gs = (size_t)nb * T * QK;                                                       \
-            _tile_loadd(5, xg, 64);                                                                      \
-            _tile_dpbf16ps(0, 4, 5);                                                                     \
-            if ((cnt) > 1) { _tile_loadd(6, xg + gs, 64); _tile_dpbf16ps(1, 4, 6); }                     \
-            if ((cnt) > 2) { _tile_loadd(7, xg + 2 * gs, 64); _tile_dpbf16ps(2, 4, 7); }                 \
-            if ((cnt) > 3) { _tile_loadd(5, xg + 3 * gs, 64); _tile_dpbf16ps(3, 4, 5); }                 \
-        }                                                                                                \
-        _tile_stored(0, out, 64);                                                                        \
-        if ((cnt) > 1) _tile_stored(1, out + T * T, 64);                                                 \
-        if ((cnt) > 2) _tile_stored(2, out + 2 * T * T, 64);                                             \
-        if ((cnt) > 3) _tile_stored(3, out + 3 * T * T, 64);                                             \
-    } while (0)
+/*
+ * One pass: the C tiles of ni weight tiles by mj x groups (ni * mj <= 4; ni, mj constants after inlining, so the tile
+ * numbers are) accumulate A(i, b) B(j, b) over the blocks b in order (C tile i * mj + j), then land in
+ * out[ni * mj][16][16]. Each C tile
+ * is a chain of nb dependent products; the 4 chains in flight hide the latency of one (a single chain would wait
+ * on it), which is why small batches take 4 weight tiles at once and large ones 4 x groups. Every output is the same
+ * chain whatever the shape, so the shape changes no number.
+ *   ni = 1: A in tile 4, B in 5-7 (and 5 again);  ni = 2: A in 4-5, B in 6-7;  ni = 4 (mj = 1): B in 4, A in 5-7, 5.
+ */
+static inline __attribute__((always_inline)) void pass(const int ni, const int mj, const uint16_t* a, size_t as,
+                                                       const uint16_t* xg, size_t gs, int nb, float* out) {
+    _tile_zero(0);
+    if (ni * mj > 1) _tile_zero(1);
+    if (ni * mj > 2) _tile_zero(2);
+    if (ni * mj > 3) _tile_zero(3);
+    for (int b = 0; b < nb; ++b, a += T * QK, xg += T * QK) {
+        if (ni == 1) {
+            _tile_loadd(4, a, 64);
+            _tile_loadd(5, xg, 64); _tile_dpbf16ps(0, 4, 5);
+            if (mj > 1) { _tile_loadd(6, xg + gs, 64); _tile_dpbf16ps(1, 4, 6); }
+            if (mj > 2) { _tile_loadd(7, xg + 2 * gs, 64); _tile_dpbf16ps(2, 4, 7); }
+            if (mj > 3) { _tile_loadd(5, xg + 3 * gs, 64); _tile_dpbf16ps(3, 4, 5); }
+        } else if (ni == 2 && mj == 2) {
+            _tile_loadd(4, a, 64); _tile_loadd(6, xg, 64); _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(5, a + as, 64); _tile_dpbf16ps(2, 5, 6);
+            _tile_loadd(7, xg + gs, 64); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(3, 5, 7);
+        } else if (ni == 2) {
+            _tile_loadd(4, a, 64); _tile_loadd(6, xg, 64); _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(5, a + as, 64); _tile_dpbf16ps(1, 5, 6);
+        } else {
+            _tile_loadd(4, xg, 64);
+            _tile_loadd(5, a, 64); _tile_dpbf16ps(0, 5, 4);
+            _tile_loadd(6, a + as, 64); _tile_dpbf16ps(1, 6, 4);
+            _tile_loadd(7, a + 2 * as, 64); _tile_dpbf16ps(2, 7, 4);
+            _tile_loadd(5, a + 3 * as, 64); _tile_dpbf16ps(3, 5, 4);
+        }
+    }
+    _tile_stored(0, out, 64);
+    if (ni * mj > 1) _tile_stored(1, out + T * T, 64);
+    if (ni * mj > 2) _tile_stored(2, out + 2 * T * T, 64);
+    if (ni * mj > 3) _tile_stored(3, out + 3 * T * T, 64);
+}
 
 static int amx_bf16_linear(const float* x, int64_t ldx, const uint8_t* w, int fmt, const float* scales,
                            const float* bias, float* y, int64_t ldy, int M, int N, int K, int num_threads) {
-    const int nb = K / QK, groups = (M + T - 1) / T, wtiles = (N + T - 1) / T;
-    const size_t row_bytes = (size_t)nb * block_bytes(fmt);
+    const int nb = K / QK, groups = (M + T - 1) / T;
+    int ni = groups == 1 ? 4 : groups == 2 ? 2 : 1; /* weight tiles per unit of work */
+    while (ni > 1 && (N + ni * T - 1) / (ni * T) < 4 * num_threads) ni /= 2; /* enough units to share out */
+    const int units = (N + ni * T - 1) / (ni * T);
+    const size_t row_bytes = (size_t)nb * block_bytes(fmt), as = (size_t)nb * T * QK, gs = as;
     uint16_t* xb = aligned_alloc(64, (size_t)groups * nb * T * QK * 2);
     if (xb == NULL) return -2;
     pack_x(x, ldx, M, K, xb, M >= 64 ? num_threads : 1);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        uint16_t* a = aligned_alloc(64, (size_t)nb * T * QK * 2);
+        uint16_t* a = aligned_alloc(64, (size_t)ni * as * 2);
         if (a == NULL) {
 #pragma omp atomic write
             failed = 1;
         } else {
             configure();
         }
-        float out[CT * T * T] __attribute__((aligned(64))); /* [c][weight row][x row] */
+        float out[4 * T * T] __attribute__((aligned(64))); /* [C tile][weight row][x row] */
 #pragma omp for schedule(static)
-        for (int wt = 0; wt < wtiles; ++wt) {
+        for (int u = 0; u < units; ++u) {
             if (a == NULL) continue;
-            const int n0 = wt * T, nr = N - n0 < T ? N - n0 : T;
-            pack_w_any(fmt, w + (size_t)n0 * row_bytes, row_bytes, fmt == FMT_INT8 ? scales + n0 : NULL, nr, nb, a);
-            for (int g = 0; g < groups; g += CT) {
-                const int cnt = groups - g < CT ? groups - g : CT;
-                if (cnt == 4) PASS(4);
-                else if (cnt == 3) PASS(3);
-                else if (cnt == 2) PASS(2);
-                else PASS(1);
-                const int m0 = g * T, mr = M - m0 < cnt * T ? M - m0 : cnt * T;
-                for (int j = 0; j < mr; ++j) {
-                    const float* col = out + (size_t)(j / T) * T * T + j % T;
-                    float* yr = y + (size_t)(m0 + j) * ldy + n0;
-                    for (int r = 0; r < nr; ++r) yr[r] = col[r * T] + (bias ? bias[n0 + r] : 0.0f);
-                }
+            const int n0 = u * ni * T;
+            for (int i = 0; i < ni; ++i) {
+                const int nt = n0 + i * T, nr = N - nt < T ? N - nt : T; /* nr <= 0: a zero tile */
+                pack_w_any(fmt, w + (size_t)(nt < N ? nt : 0) * row_bytes, row_bytes,
+                           fmt == FMT_INT8 && nt < N ? scales + nt : NULL, nr, nb, a + i * as);
+            }
+            for (int g = 0; g < groups; g += 4 / ni) {
+                const int mj = groups - g < 4 / ni ? groups - g : 4 / ni;
+                const uint16_t* xg = xb + (size_t)g * gs;
+                if (ni == 4) pass(4, 1, a, as, xg, gs, nb, out); /* mj = 1 */
+                else if (ni == 2) mj == 2 ? pass(2, 2, a, as, xg, gs, nb, out) : pass(2, 1, a, as, xg, gs, nb, out);
+                else if (mj == 4) pass(1, 4, a, as, xg, gs, nb, out);
+                else if (mj == 3) pass(1, 3, a, as, xg, gs, nb, out);
+                else if (mj == 2) pass(1, 2, a, as, xg, gs, nb, out);
+                else pass(1, 1, a, as, xg, gs, nb, out);
+                for (int i = 0; i < ni; ++i)
+                    for (int j = 0; j < mj; ++j) {
+                        const int nt = n0 + i * T, mt = (g + j) * T;
+                        const int nr = N - nt < T ? N - nt : T, mr = M - mt < T ? M - mt : T;
+                        const float* c = out + (size_t)(i * mj + j) * T * T;
+                        for (int jj = 0; jj < mr; ++jj) {
+                            float* yr = y + (size_t)(mt + jj) * ldy + nt;
+                            for (int r = 0; r < nr; ++r) yr[r] = c[r * T + jj] + (bias ? bias[nt + r] : 0.0f);
+                        }
+                    }
             }
         }
         if (a != NULL) _tile_release();
@@ -173,7 +211,6 @@ static int amx_bf16_linear(const float* x, int64_t ldx, const uint8_t* w, int fm
     free(xb);
     return failed ? -2 : 0;
 }
-#undef PASS
 #else
 #define HAVE_AMX_BF16 0
 #endif
