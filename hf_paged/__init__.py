@@ -25,6 +25,7 @@ _EXPORTS = {
     "StructuredOutputsParams": "hf_paged.structured_params",
     "load_gguf": "hf_paged.hf.gguf_loader",
     "pipeline": "hf_paged.hf.pipeline",
+    "quantize_model": "hf_paged.cpu.quantize_model",
     "unwrap": "hf_paged.hf.wrap",
     "wrap": "hf_paged.hf.wrap",
 }

@@ -180,3 +180,37 @@ def test_gguf_unsupported_type_dequantized_on_request(monkeypatch, caplog):
     monkeypatch.setattr(gguf_loader, "KEPT", ("Q8_0", "Q4_0", "Q4_1"))
     kept, _ = gguf_loader.load_gguf(path, tokenizer=False, config=config)
     assert torch.equal(q_proj.weight, kept.model.layers[0].self_attn.q_proj.dequantize())
+
+
+def test_quantize_model_for_good_drops_the_float_weights():
+    """hf_paged.quantize_model converts in place with no way back: the float weights are freed, the model still
+    generates (stock and engine agree, any kernel mode per engine), and bad calls are ValueErrors."""
+    import gc
+    import weakref
+
+    import hf_paged
+
+    model = make_model(seed=9)
+    embedding = model.get_input_embeddings().weight
+    floats = [weakref.ref(m.weight) for m in model.modules()
+              if type(m) is torch.nn.Linear and m.weight is not embedding]
+    with PagedGenerator(model, num_blocks=16):
+        with pytest.raises(ValueError, match="holds this model; close it first"):
+            hf_paged.quantize_model(model, "int4")
+    with pytest.raises(ValueError, match=r"quantization must be one of \['int4', 'int8'\], got 'q4_k'"):
+        hf_paged.quantize_model(model, "q4_k")
+    assert hf_paged.quantize_model(model, "int4") is model
+    gc.collect()
+    assert floats and all(ref() is None for ref in floats)
+    assert not any(type(m) is torch.nn.Linear for m in model.modules()) and model.lm_head.fmt == "q8_0"
+    prompts = make_prompts(3, lengths=[4, 17, 30], seed=4)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    want = [stock_greedy(model, p, 8) for p in prompts]
+    with PagedGenerator(model, num_blocks=32) as engine:
+        assert _tokens(engine.generate(prompts, params, use_tqdm=False)) == want
+    with PagedGenerator(model, num_blocks=32, quant_activations="bf16") as engine:
+        rounded = _tokens(engine.generate(prompts, params, use_tqdm=False))
+        assert rounded == [stock_greedy(model, p, 8) for p in prompts]  # the model's layers run the engine's mode
+    assert {m.activations for m in model.modules() if isinstance(m, QuantLinear)} == {"float"}
+    with pytest.raises(ValueError, match="no CPU nn.Linear layer to quantize"):
+        hf_paged.quantize_model(model, "int8")

@@ -10,7 +10,8 @@ embeddings stay float (a lookup reads a few rows). A linear whose input width is
 model (those just made and those a GGUF file brought) runs the int8- (or bf16-) activation kernels. The change belongs to the model, shared by
 its engines (:mod:`hf_paged.model_patches`), and :meth:`QuantizedLinears.remove` (the last engine's ``close()``)
 puts the original modules and modes back; the originals stay referenced meanwhile, so the float weights stay in
-memory (the model is the caller's, and int8 weights could not give the same numbers back).
+memory (the model is the caller's, and int8 weights could not give the same numbers back). :func:`quantize_model`
+converts a model for good instead, dropping the float layers.
 """
 
 from __future__ import annotations
@@ -90,3 +91,31 @@ class QuantizedLinears:
         for parent, name, original in reversed(self._swapped):
             setattr(parent, name, original)
         self._swapped.clear()
+
+
+def quantize_model(model: torch.nn.Module, quantization: str, *, lm_head: bool = True) -> torch.nn.Module:
+    """Quantize ``model``'s linears in place for good, as ``EngineConfig(quantization=...)`` does at start, but
+    dropping the float layers: their weights are freed once nothing else holds them, and there is no way back.
+    The model stays a stock ``transformers`` model (plain forward, ``generate``, ``wrap``, any number of engines,
+    ``quant_activations`` per engine), like a GGUF model loaded with :func:`hf_paged.load_gguf`.
+
+    Args:
+        model: The model (on CPU), changed in place and returned.
+        quantization: "int8" (per output channel) or "int4" (groups of 32 with a scale and a min, stored as q4_1).
+        lm_head: Quantize the LM head too, as q8_0.
+
+    Raises:
+        ValueError: an unknown ``quantization``; a model an engine holds (close it first); a model with no CPU
+            ``nn.Linear`` to quantize.
+    """
+    from hf_paged import model_patches
+
+    if quantization is None or quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {sorted(QUANTIZATIONS)}, got {quantization!r}")
+    if model_patches.num_holders(model):
+        raise ValueError("quantize_model: an engine (or wrap) holds this model; close it first")
+    swapped = QuantizedLinears(model, quantization, "float", lm_head)
+    if not swapped._swapped:
+        raise ValueError(f"quantization={quantization!r}: the model has no CPU nn.Linear layer to quantize")
+    swapped._swapped.clear()  # the originals go with the last reference to them
+    return model
