@@ -96,6 +96,8 @@ class QuantizedLinears:
 def quantize_model(model: torch.nn.Module, quantization: str, *, lm_head: bool = True) -> torch.nn.Module:
     """Quantize ``model``'s linears in place for good, as ``EngineConfig(quantization=...)`` does at start, but
     dropping the float layers: their weights are freed once nothing else holds them, and there is no way back.
+    The float tensors that stay (embeddings, norms) are copied once, so that the memory-mapped checkpoint file
+    (``from_pretrained``'s safetensors) is unmapped rather than kept resident by them.
     The model stays a stock ``transformers`` model (plain forward, ``generate``, ``wrap``, any number of engines,
     ``quant_activations`` per engine), like a GGUF model loaded with :func:`hf_paged.load_gguf`.
 
@@ -118,4 +120,8 @@ def quantize_model(model: torch.nn.Module, quantization: str, *, lm_head: bool =
     if not swapped._swapped:
         raise ValueError(f"quantization={quantization!r}: the model has no CPU nn.Linear layer to quantize")
     swapped._swapped.clear()  # the originals go with the last reference to them
+    with torch.no_grad():  # the float tensors left (embeddings, norms) get their own memory, so that a memory-
+        for t in [*model.parameters(), *model.buffers()]:  # mapped checkpoint they shared is unmapped
+            if t.dtype.is_floating_point:
+                t.data = t.data.clone()
     return model
