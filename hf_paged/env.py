@@ -126,6 +126,12 @@ def kernel_choices(dtype: torch.dtype, device: str = "cpu") -> dict[str, str]:
     return {"linear": linear, "attention": attention, "layers": layers}
 
 
+def _quantized_modes() -> dict[str, str]:
+    from hf_paged.cpu.quant_linear import describe_modes
+
+    return describe_modes()
+
+
 def collect() -> dict:
     """Everything ``hf-paged env`` reports, as plain data."""
     cpu, flags = _cpuinfo()
@@ -151,6 +157,7 @@ def collect() -> dict:
         "c_compiler": _compiler(),
         "gpus": _gpus(),
         "kernels": {name: kernel_choices(dtype) for name, dtype in DTYPES.items()},
+        "quantized_linears": _quantized_modes(),
     }
     if info["gpus"]:
         info["kernels_cuda"] = {name: kernel_choices(dtype, "cuda") for name, dtype in DTYPES.items()}
@@ -177,6 +184,8 @@ def format_report(info: dict) -> str:
         lines.append(f"{name} linear: {choice['linear']}")
         lines.append(f"{name} attention: {choice['attention']}")
         lines.append(f"{name} decoder layers: {choice['layers']}")
+    for mode, choice in info.get("quantized_linears", {}).items():
+        lines.append(f"quantized linears, {mode} activations: {choice}")
     for name, choice in info.get("kernels_cuda", {}).items():
         lines.append(f"{name} on cuda: linear {choice['linear']}, attention {choice['attention']}")
     return "\n".join(lines)

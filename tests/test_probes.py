@@ -157,3 +157,10 @@ def test_env_reports_versions_features_and_kernel_choices(capsys, monkeypatch):
     text = capsys.readouterr().out
     for line in ("vector features:", "openmp runtime:", "allocator:", "c compiler:", "fp32 linear:", "bf16 attention:", "fp32 decoder layers:"):
         assert line in text
+    quant = info["quantized_linears"]
+    assert set(quant) == {"float", "int8", "bf16"} and quant["float"] == "C kernel (quant_gemm.c)"
+    if info["cpu"]["features"].get("amx_bf16"):
+        assert quant["bf16"] == "C kernel (quant_bf16.c)"
+    else:  # the mode's fallback, with the probe's reason
+        assert quant["bf16"].startswith("the float kernel instead: RuntimeError: this CPU (or its OS) has no AMX-BF16")
+    assert "quantized linears, bf16 activations: " in text

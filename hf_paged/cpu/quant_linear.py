@@ -159,6 +159,21 @@ def kernel(activations: str) -> tuple:
     return (None, None) if lib is None else (lib.hfq_linear, "float")
 
 
+def describe_modes() -> dict[str, str]:
+    """Per kernel mode, which kernel its quantized linears run here and, where it is not the mode's own, why (for
+    ``hf-paged env``)."""
+    out = {}
+    for mode in ACTIVATIONS:
+        _, got = kernel(mode)
+        if got == mode:
+            out[mode] = f"C kernel ({_PATHS[mode][1].source.name})"
+            continue
+        result = probes._results.get((_PATHS[mode][0], torch.float32))
+        instead = "the float kernel" if got == "float" else "torch (dequantized on every call)"
+        out[mode] = f"{instead} instead: {result.reason if result is not None else 'not probed'}"
+    return out
+
+
 class QuantLinear(torch.nn.Module):
     """A linear layer whose weight stays quantized: ``y = x @ dequant(qweight)^T + bias``.
 
