@@ -142,7 +142,7 @@ def test_gguf_unsupported_type_is_a_clear_error(monkeypatch):
 def test_activation_mode_of_a_quantized_model_is_the_engines_and_comes_back():
     """quant_activations="int8" on a model that is quantized already (as a GGUF one): its QuantLinears switch
     while the engine holds them, back to float on close; another engine asking for float is refused meanwhile."""
-    model = make_model(seed=7)
+    model = copy.deepcopy(make_model(seed=7))  # quantized for good: not the cached model other tests share
     QuantizedLinears(model, "int4")
     prompts = make_prompts(2, lengths=[5, 12], seed=3)
     params = SamplingParams(max_tokens=8, temperature=0.0)
@@ -190,7 +190,7 @@ def test_quantize_model_for_good_drops_the_float_weights():
 
     import hf_paged
 
-    model = make_model(seed=9)
+    model = copy.deepcopy(make_model(seed=9))  # converted for good: not the cached model other tests share
     embedding = model.get_input_embeddings().weight
     floats = [weakref.ref(m.weight) for m in model.modules()
               if type(m) is torch.nn.Linear and m.weight is not embedding]
@@ -212,8 +212,17 @@ def test_quantize_model_for_good_drops_the_float_weights():
         rounded = _tokens(engine.generate(prompts, params, use_tqdm=False))
         assert rounded == [stock_greedy(model, p, 8) for p in prompts]  # the model's layers run the engine's mode
     assert {m.activations for m in model.modules() if isinstance(m, QuantLinear)} == {"float"}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.activations = "int8"
     with pytest.raises(ValueError, match="no CPU nn.Linear layer to quantize"):
         hf_paged.quantize_model(model, "int8")
+    assert {m.activations for m in model.modules() if isinstance(m, QuantLinear)} == {"int8"}  # left as they were
+    tied = copy.deepcopy(make_model(seed=9, tie_word_embeddings=True))
+    hf_paged.quantize_model(tied, "int8")
+    assert tied.config.tie_word_embeddings is False and tied.lm_head.fmt == "q8_0"
+    tied.tie_weights()  # e.g. from resize_token_embeddings: must not hang a float weight on the quantized head
+    assert not hasattr(tied.lm_head, "weight") or not isinstance(tied.lm_head.weight, torch.nn.Parameter)
 
 
 @pytest.mark.parametrize("activations", ["int8", "bf16"])

@@ -168,7 +168,8 @@ def describe_modes() -> dict[str, str]:
         if got == mode:
             out[mode] = f"C kernel ({_PATHS[mode][1].source.name})"
             continue
-        result = probes._results.get((_PATHS[mode][0], torch.float32))
+        failed = mode if got == "float" else "float"  # the probe that sent it elsewhere
+        result = probes._results.get((_PATHS[failed][0], torch.float32))
         instead = "the float kernel" if got == "float" else "torch (dequantized on every call)"
         out[mode] = f"{instead} instead: {result.reason if result is not None else 'not probed'}"
     return out

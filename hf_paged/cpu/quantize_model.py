@@ -116,9 +116,14 @@ def quantize_model(model: torch.nn.Module, quantization: str, *, lm_head: bool =
         raise ValueError(f"quantization must be one of {sorted(QUANTIZATIONS)}, got {quantization!r}")
     if model_patches.num_holders(model):
         raise ValueError("quantize_model: an engine (or wrap) holds this model; close it first")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     swapped = QuantizedLinears(model, quantization, "float", lm_head)
+    for layer, mode in swapped._modes:  # quantized layers it found (a GGUF model's) keep their mode
+        layer.activations = mode
     if not swapped._swapped:
         raise ValueError(f"quantization={quantization!r}: the model has no CPU nn.Linear layer to quantize")
+    if any(original is head for _, _, original in swapped._swapped) and getattr(model, "config", None) is not None:
+        model.config.tie_word_embeddings = False  # the head is its own q8_0 bytes now: tie_weights() must not re-tie
     swapped._swapped.clear()  # the originals go with the last reference to them
     with torch.no_grad():  # the float tensors left (embeddings, norms) get their own memory, so that a memory-
         for t in [*model.parameters(), *model.buffers()]:  # mapped checkpoint they shared is unmapped
