@@ -134,6 +134,32 @@ def test_bf16_activations_equal_rounded_x_times_rounded_w(fmt, rows):
                                F.linear(round_bf16(x).double(), round_bf16(ref.float()).double()), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_in_and_out_is_the_fp32_entry_rounded(fmt):
+    """A bf16 model's activations go in as bf16 and come out rounded to bf16: bitwise what converting x to fp32,
+    running the fp32 entry and rounding its output gives (strided rows too); forward takes that entry for bf16 x."""
+    native = _amx_bf16()
+    layer, _ = _case(fmt, seed=11)
+    for rows in (1, 17, 64, 70):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        got = layer._call(native.hfqb_linear_bf16, x, io=torch.bfloat16)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, layer._call(native.hfqb_linear, x.float()).bfloat16())
+        wide = torch.zeros(rows, 160, dtype=torch.bfloat16)
+        wide[:, :96] = x
+        assert torch.equal(layer._call(native.hfqb_linear_bf16, wide[:, :96], io=torch.bfloat16), got)
+    layer.activations = "bf16"
+    assert ql.kernel("bf16")[1] == "bf16"  # probed already: the calls below are forward's own
+    calls = []
+    real = native.hfqb_linear_bf16
+    try:
+        native.hfqb_linear_bf16 = lambda *a: calls.append(1) or real(*a)
+        assert torch.equal(layer(x), got)
+    finally:
+        native.hfqb_linear_bf16 = real
+    assert calls == [1]
+
+
 def test_bf16_mode_rows_do_not_depend_on_the_batch_and_forward_uses_it():
     native = _amx_bf16()
     layer, ref = _case("q4_0", n=45, k=128)

@@ -246,3 +246,26 @@ def test_speculative_decoding_on_quantized_weights_is_lossless(spec, activations
         engine.kv_manager.check_consistency()
     assert got == want
     assert stats.spec_num_draft_tokens > 0
+
+
+def test_bf16_model_with_quantized_weights_runs_the_program_in_bf16():
+    """A bf16 model quantized at start, in the bf16 kernel mode: where that mode's kernel runs (AMX-BF16), the
+    native decode program runs it on the model's bf16 buffers (bf16 in, bf16 out) and gives the eager engine's
+    tokens; elsewhere the program stands aside and says why."""
+    from hf_paged.cpu import quant_linear
+
+    model = make_model(seed=12, dtype=torch.bfloat16)
+    prompts = make_prompts(4, lengths=[3, 10, 25, 41], seed=6)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    kw = dict(num_blocks=64, max_num_seqs=3, quantization="int4", quant_activations="bf16")
+    with PagedGenerator(model, **kw) as engine:
+        program = engine.executor.runner.fast
+        outs = _tokens(engine.generate(prompts, params, use_tqdm=False))
+        if quant_linear.kernel("bf16")[1] == "bf16":
+            assert type(program).__name__ == "DecodeProgram" and program.num_runs > 0, program.why_not
+            assert program._x.dtype == torch.bfloat16
+        else:
+            assert program is None or not program.num_runs
+    with PagedGenerator(model, enforce_eager=True, **kw) as eager:
+        assert _tokens(eager.generate(prompts, params, use_tqdm=False)) == outs
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # the float layers are back

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from hf_paged.cpu.fused_layers import family_classes, family_of, not_family
-from hf_paged.cpu.quant_linear import QuantEmbedding, QuantLinear
+from hf_paged.cpu.quant_linear import QuantEmbedding, QuantLinear, kernel
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C kernels' dtype codes
 
@@ -39,8 +39,9 @@ def why_not(model: torch.nn.Module, fused, packing) -> str:
         return "the model has no rotary_emb"
     embed = base.embed_tokens
     dtype = embed.dtype if type(embed) is QuantEmbedding else embed.weight.dtype
-    if quantized and dtype != torch.float32:
-        return "quantized linears run in the program with fp32 activations only"
+    if quantized and dtype != torch.float32 and not (dtype == torch.bfloat16 and _bf16_mode(model)):
+        return ("quantized linears run in the program with fp32 activations, or with bf16 ones in the bf16 kernel "
+                "mode (quant_activations='bf16', AMX-BF16) only")
     if dtype not in DTYPES or (not quantized and packing.kinds.get(dtype, "torch") == "torch"):
         return f"its {str(dtype).removeprefix('torch.')} linears are not packed here (prepack_weights)"
     if any(p.dtype != dtype or p.device.type != "cpu" for p in model.parameters()):
@@ -50,6 +51,11 @@ def why_not(model: torch.nn.Module, fused, packing) -> str:
 
 def _quantized_linears(model: torch.nn.Module) -> bool:
     return any(type(m) is QuantLinear for m in model.modules())
+
+
+def _bf16_mode(model: torch.nn.Module) -> bool:
+    """Every quantized linear in the bf16 kernel mode, and that mode's kernel running here (it takes bf16 in and out)."""
+    return all(m.activations == "bf16" for m in model.modules() if type(m) is QuantLinear) and kernel("bf16")[1] == "bf16"
 
 
 def skipped_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

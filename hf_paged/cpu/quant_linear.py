@@ -13,7 +13,7 @@ in_features // 32 * block_bytes]``) in one of :data:`FORMATS` (:mod:`hf_paged.cp
   activations times the dequantized weights, up to fp32 rounding).
 - ``"bf16"``: activations and dequantized weights rounded to bf16 (:func:`round_bf16`), products summed in fp32
   on AMX-BF16 tiles (``csrc/quant_bf16.c``), for every batch size: the fast mode for large batches, on CPUs with
-  AMX-BF16 only.
+  AMX-BF16 only. A bf16 model's activations go in and come out as bf16 (the same numbers as converting them).
 
 Where a C library cannot be built, fails its probe or (bf16) the CPU lacks AMX-BF16, calls take the float kernel
 (int8, bf16 -> float; one warning) or dequantize in torch (one warning).
@@ -52,7 +52,7 @@ _Q8_FUNCTIONS = {
     "hfq8_linear": _LINEAR,
     "hfq8_quantize": (_i32, [_ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i32]),
 }
-_BF16_FUNCTIONS = {"hfqb_available": (_i32, []), "hfqb_linear": _LINEAR}
+_BF16_FUNCTIONS = {"hfqb_available": (_i32, []), "hfqb_linear": _LINEAR, "hfqb_linear_bf16": _LINEAR}
 QUANT_GEMM = NativeLibrary("quant_gemm.c", _FUNCTIONS, what="the native quantized linear kernel")
 QUANT_Q8 = NativeLibrary("quant_q8.c", _Q8_FUNCTIONS, what="the int8-activation quantized linear kernel")
 QUANT_BF16 = NativeLibrary("quant_bf16.c", _BF16_FUNCTIONS, what="the bf16-activation (AMX) quantized linear kernel")
@@ -83,6 +83,9 @@ def _probe_cases(lib: ctypes.CDLL, activations: str):
             want = torch.nn.functional.linear(xin, wref, b)
             got = layer._call(_linear_fn(lib, activations), x)
             probes.check_close(got, want, f"{fmt} quantized linear, {activations} activations ({rows} rows)")
+            if activations == "bf16":  # bf16 in and out (a bf16 model's activations)
+                got = layer._call(lib.hfqb_linear_bf16, xin.bfloat16(), io=torch.bfloat16)
+                probes.check_close(got, want.bfloat16(), f"{fmt} quantized linear, bf16 in and out ({rows} rows)")
 
 
 def _reference_operands(activations: str, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,15 +254,18 @@ class QuantLinear(torch.nn.Module):
             x, w = _reference_operands(mode or self.activations, x, self.dequantize())
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return torch.nn.functional.linear(x, w.to(x.device, x.dtype), bias)
+        if mode == "bf16" and x.dtype == torch.bfloat16:  # a bf16 model: no conversion either way
+            return self._call(native_library("bf16").hfqb_linear_bf16, x, io=torch.bfloat16)
         return self._call(fn, x)
 
-    def _call(self, fn, x: torch.Tensor) -> torch.Tensor:
-        """``fn`` (``hfq_linear``, ``hfq8_linear`` or ``hfqb_linear`` of some build) on ``x [..., K]``."""
+    def _call(self, fn, x: torch.Tensor, io: torch.dtype = torch.float32) -> torch.Tensor:
+        """``fn`` (``hfq_linear``, ``hfq8_linear``, ``hfqb_linear`` of some build; ``hfqb_linear_bf16`` with
+        ``io=torch.bfloat16``) on ``x [..., K]``, in ``io`` in and out."""
         x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32 or x2.stride(-1) != 1:
-            x2 = x2.float().contiguous()
+        if x2.dtype != io or x2.stride(-1) != 1:
+            x2 = x2.to(io).contiguous()
         rows = x2.shape[0]
-        y = torch.empty(rows, self.out_features)
+        y = torch.empty(rows, self.out_features, dtype=io)
         if rows:
             rc = fn(x2.data_ptr(), x2.stride(0), self.qweight.data_ptr(), FORMATS[self.fmt], self._scales_ptr(),
                     None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), self.out_features, rows,

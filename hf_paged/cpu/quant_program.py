@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from hf_paged.cpu.quant_linear import FORMATS, TILED_ROWS, QuantEmbedding, QuantLinear, kernel
+from hf_paged.cpu.quant_linear import FORMATS, TILED_ROWS, QuantEmbedding, QuantLinear, kernel, native_library
 
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # parent -> {names: (members, group)}
 
@@ -69,6 +69,9 @@ class QuantOp:
                  threads: int) -> None:
         self.fn, mode = kernel(layer.activations)
         assert self.fn is not None, "QuantOp needs the native quantized kernel"
+        if x.dtype == torch.bfloat16:  # a bf16 model's buffers: the bf16 mode's bf16-in, bf16-out kernel
+            assert mode == "bf16" and y.dtype == torch.bfloat16, "bf16 buffers need the bf16 kernel mode"
+            self.fn = native_library("bf16").hfqb_linear_bf16
         self.limit = TILED_ROWS if mode == "float" else None  # int8, bf16 activations: one kernel for every batch
         self.layer, self.x, self.y, self.rows = layer, x, y, rows
         scales = None if layer.scales is None else layer.scales.data_ptr()

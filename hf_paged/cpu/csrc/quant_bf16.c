@@ -40,8 +40,9 @@ static void configure(void) { /* every tile 16 rows of 64 bytes */
     _tile_loadconfig(&c);
 }
 
-/* x rows as B tiles: xb[((g * nb + b) * 16 + p) * 32 + 2 j + e] = bf16(x[16 g + j][32 b + 2 p + e]), zero past M */
-static void pack_x(const float* x, int64_t ldx, int M, int K, uint16_t* xb, int num_threads) {
+/* x rows as B tiles: xb[((g * nb + b) * 16 + p) * 32 + 2 j + e] = bf16(x[16 g + j][32 b + 2 p + e]), zero past M;
+ * x fp32 (rounded here) or, with bf16_in, bf16 already (copied) */
+static void pack_x(const void* x, int bf16_in, int64_t ldx, int M, int K, uint16_t* xb, int num_threads) {
     const int nb = K / QK, groups = (M + T - 1) / T;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int gb = 0; gb < groups * nb; ++gb) {
@@ -50,8 +51,10 @@ static void pack_x(const float* x, int64_t ldx, int M, int K, uint16_t* xb, int 
         for (int j = 0; j < T; ++j) {
             const int i = g * T + j;
             uint32_t pairs[T] __attribute__((aligned(64)));
-            if (i < M) {
-                const float* src = x + (size_t)i * ldx + b * QK;
+            if (i < M && bf16_in) {
+                memcpy(pairs, (const uint16_t*)x + (size_t)i * ldx + b * QK, sizeof pairs);
+            } else if (i < M) {
+                const float* src = (const float*)x + (size_t)i * ldx + b * QK;
                 _mm512_store_si512(pairs, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
             } else {
                 memset(pairs, 0, sizeof pairs);
@@ -154,8 +157,17 @@ static inline __attribute__((always_inline)) void pass(const int ni, const int m
     if (ni * mj > 3) _tile_stored(3, out + 3 * T * T, 64);
 }
 
-static int amx_bf16_linear(const float* x, int64_t ldx, const uint8_t* w, int fmt, const float* scales,
-                           const float* bias, float* y, int64_t ldy, int M, int N, int K, int num_threads) {
+/* fp32 -> bf16, nearest, ties to even, as torch rounds (NaN stays a quiet NaN, subnormals kept) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* y = x W^T + bias; x and y fp32, or bf16 where bf16_io (y rounded once, from the fp32 sum plus the bias) */
+static int amx_bf16_linear(const void* x, int64_t ldx, const uint8_t* w, int fmt, const float* scales,
+                           const float* bias, void* y, int64_t ldy, int M, int N, int K, int bf16_io, int num_threads) {
     const int nb = K / QK, groups = (M + T - 1) / T;
     int ni = groups == 1 ? 4 : groups == 2 ? 2 : 1; /* weight tiles per unit of work */
     while (ni > 1 && (N + ni * T - 1) / (ni * T) < 4 * num_threads) ni /= 2; /* enough units to share out */
@@ -163,7 +175,7 @@ static int amx_bf16_linear(const float* x, int64_t ldx, const uint8_t* w, int fm
     const size_t row_bytes = (size_t)nb * block_bytes(fmt), as = (size_t)nb * T * QK, gs = as;
     uint16_t* xb = aligned_alloc(64, (size_t)groups * nb * T * QK * 2);
     if (xb == NULL) return -2;
-    pack_x(x, ldx, M, K, xb, M >= 64 ? num_threads : 1);
+    pack_x(x, bf16_io, ldx, M, K, xb, M >= 64 ? num_threads : 1);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -199,8 +211,12 @@ static int amx_bf16_linear(const float* x, int64_t ldx, const uint8_t* w, int fm
                         const int nr = N - nt < T ? N - nt : T, mr = M - mt < T ? M - mt : T;
                         const float* c = out + (size_t)(i * mj + j) * T * T;
                         for (int jj = 0; jj < mr; ++jj) {
-                            float* yr = y + (size_t)(mt + jj) * ldy + nt;
-                            for (int r = 0; r < nr; ++r) yr[r] = c[r * T + jj] + (bias ? bias[nt + r] : 0.0f);
+                            const size_t at = (size_t)(mt + jj) * ldy + nt;
+                            for (int r = 0; r < nr; ++r) {
+                                const float v = c[r * T + jj] + (bias ? bias[nt + r] : 0.0f);
+                                if (bf16_io) ((uint16_t*)y)[at + r] = to_bf16(v);
+                                else ((float*)y)[at + r] = v;
+                            }
                         }
                     }
             }
@@ -224,20 +240,31 @@ int hfqb_available(void) {
 #endif
 }
 
-/*
- * y[M, N] (row stride ldy) = bf16(x)[M, K] (row stride ldx, K a multiple of 32) @ bf16(dequant(w))^T + bias (NULL:
- * none); w and scales as in quant_gemm.c's hfq_linear. Returns 0; -1 for an unknown format or K not a multiple of 32;
- * -2 when scratch cannot be allocated; -3 where this build or CPU has no AMX-BF16 (see hfqb_available).
- */
-int hfqb_linear(const float* x, int64_t ldx, const uint8_t* w, int fmt, const float* scales, const float* bias,
-                float* y, int64_t ldy, int M, int N, int K, int num_threads) {
+static int linear(const void* x, int64_t ldx, const uint8_t* w, int fmt, const float* scales, const float* bias,
+                  void* y, int64_t ldy, int M, int N, int K, int bf16_io, int num_threads) {
     if (block_bytes(fmt) == 0 || K % QK != 0 || (fmt == FMT_INT8 && scales == NULL)) return -1;
     if (M <= 0 || N <= 0) return 0;
 #if HAVE_AMX_BF16
     if (!amx_allowed()) return -3;
-    return amx_bf16_linear(x, ldx, w, fmt, scales, bias, y, ldy, M, N, K, num_threads);
+    return amx_bf16_linear(x, ldx, w, fmt, scales, bias, y, ldy, M, N, K, bf16_io, num_threads);
 #else
-    (void)x, (void)ldx, (void)w, (void)scales, (void)bias, (void)y, (void)ldy, (void)num_threads;
+    (void)x, (void)ldx, (void)w, (void)scales, (void)bias, (void)y, (void)ldy, (void)bf16_io, (void)num_threads;
     return -3;
 #endif
+}
+
+/*
+ * y[M, N] (row stride ldy) = bf16(x)[M, K] (row stride ldx, K a multiple of 32) @ bf16(dequant(w))^T + bias (NULL:
+ * none), x and y fp32; w and scales as in quant_gemm.c's hfq_linear. Returns 0; -1 for an unknown format or K not a
+ * multiple of 32; -2 when scratch cannot be allocated; -3 where this build or CPU has no AMX-BF16 (hfqb_available).
+ */
+int hfqb_linear(const float* x, int64_t ldx, const uint8_t* w, int fmt, const float* scales, const float* bias,
+                float* y, int64_t ldy, int M, int N, int K, int num_threads) {
+    return linear(x, ldx, w, fmt, scales, bias, y, ldy, M, N, K, 0, num_threads);
+}
+
+/* the same with bf16 x and y (a bf16 model's activations, no conversion): y = bf16(the fp32 sum + bias) */
+int hfqb_linear_bf16(const uint16_t* x, int64_t ldx, const uint8_t* w, int fmt, const float* scales,
+                     const float* bias, uint16_t* y, int64_t ldy, int M, int N, int K, int num_threads) {
+    return linear(x, ldx, w, fmt, scales, bias, y, ldy, M, N, K, 1, num_threads);
 }
