@@ -19,10 +19,8 @@ from hf_paged.outputs import RequestOutput
 from hf_paged.serving.common import WorkerPool
 from hf_paged.serving.engine_loop import AsyncPagedEngine, EngineClosedError, QueueFullError
 from hf_paged.serving.openapi import install_openapi
-from hf_paged.serving.protocol import (
-    APIError, ParsedRequest, ServedModel, chat_logprobs, check_depth, completion_logprobs, new_id, parse_chat,
-    parse_completion, usage,
-)
+from hf_paged.serving.protocol import APIError, ParsedRequest, ServedModel, check_depth, parse_chat, parse_completion
+from hf_paged.serving.responses import chat_logprobs, completion_logprobs, new_id, usage
 from hf_paged.serving.structured import compile_grammar
 from hf_paged.serving.stream import RequestStream
 
