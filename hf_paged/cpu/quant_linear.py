@@ -124,11 +124,11 @@ def _probe_q8(dtype: torch.dtype) -> None:
     _probe_mode(dtype, QUANT_Q8, "int8", "int8-activation kernel")
 
 
-probes.register("linear.quant", _probe)
 def _probe_bf16(dtype: torch.dtype) -> None:
     _probe_mode(dtype, QUANT_BF16, "bf16", "bf16-activation kernel")
 
 
+probes.register("linear.quant", _probe)
 probes.register("linear.quant_q8", _probe_q8)
 probes.register("linear.quant_bf16", _probe_bf16)
 _PATHS = {"float": ("linear.quant", QUANT_GEMM), "int8": ("linear.quant_q8", QUANT_Q8),

@@ -23,16 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#define VW 16
-#elif defined(__AVX__)
-#define VW 8
-#else
-#define VW 4
-#endif
-typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
-#define LD(p) (*(const vf*)(p))
-#define ST(p, v) (*(vf*)(p) = (v))
+#include "vec_common.h"
 /* into L2 (prefetcht1): the next K-block would not fit in L1 beside the current one */
 #define PREFETCH(p) __builtin_prefetch((p), 0, 2)
 

@@ -16,15 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#define VW 16
-#elif defined(__AVX__)
-#define VW 8
-#else
-#define VW 4
-#endif
-typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
-#define LD(p) (*(const vf*)(p))
+#include "vec_common.h"
 #define NV (32 / VW) /* vectors per block */
 
 enum { QK = 32 };
