@@ -6,6 +6,11 @@ torch nor transformers.
 
 import importlib
 
+from hf_paged.cpu import isa as _isa
+
+# HF_PAGED_ISA=avx2 (or avx512) caps torch's own CPU kernels too; torch reads the caps at its first kernel call.
+_isa.apply_torch_caps()
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from collections.abc import Sequence
 from typing import Any
 
+from hf_paged.cpu import isa
 from hf_paged.core.prefill_pacer import check_max_itl_ratio
 from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, check_long_prefill_token_threshold
 from hf_paged.kernels import BACKENDS
@@ -158,6 +159,7 @@ class EngineConfig:
         if not isinstance(self.kv_cache_memory_fraction, (int, float)) or not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         check_long_prefill_token_threshold(self.long_prefill_token_threshold)
+        isa.forced_level()  # a bad HF_PAGED_ISA (unknown, or above this CPU) fails the engine's start, by name
         check_max_itl_ratio(self.max_itl_ratio)
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")

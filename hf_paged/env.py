@@ -132,6 +132,15 @@ def _quantized_modes() -> dict[str, str]:
     return describe_modes()
 
 
+def _isa_level() -> str:
+    from hf_paged.cpu import isa
+
+    try:
+        return isa.describe()
+    except ValueError as e:  # a bad HF_PAGED_ISA: report it rather than fail the bug report
+        return f"invalid: {e}"
+
+
 def collect() -> dict:
     """Everything ``hf-paged env`` reports, as plain data."""
     cpu, flags = _cpuinfo()
@@ -148,6 +157,7 @@ def collect() -> dict:
             "logical_cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "isa": _isa_level(),
             "features": features,
         },
         "openmp": omp,
@@ -173,6 +183,7 @@ def format_report(info: dict) -> str:
         f"platform: {info['platform']}",
         f"cpu: {cpu['model']} ({cpu['arch']}), {cpu['physical_cores']} physical cores, {cpu['logical_cpus']} "
         f"logical CPUs, torch threads {cpu['torch_threads']}, torch CPU capability {cpu['torch_cpu_capability']}",
+        f"kernel ISA level: {cpu.get('isa', '-')}",
         f"vector features: has {' '.join(have) or '-'}; lacks {' '.join(lack) or '-'}",
         f"openmp runtime: {info['openmp']}",
         f"allocator: {info['allocator']}" + (f" (LD_PRELOAD={info['ld_preload']})" if info["ld_preload"] else ""),

@@ -7,6 +7,10 @@ import pytest
 import torch
 
 from hf_paged import PagedGenerator, SamplingParams
+from hf_paged.cpu import attention as cpu_attention
+from hf_paged.cpu.native_gemm import NATIVE_GEMM
+from hf_paged.cpu.native_program import DecodeProgram
+from hf_paged.cpu.program_fit import why_not
 from hf_paged.executor.decode_buckets import check_buckets, default_buckets
 from tests.arch_configs import make_arch_model
 from tests.helpers import make_model, make_prompts, stock_greedy
@@ -68,12 +72,23 @@ def test_bad_config_is_refused(config, error, match):
     assert model.config._attn_implementation == "sdpa"  # a refused engine leaves the model as it was
 
 
-def test_auto_on_cpu_and_enforce_eager_use_the_dynamic_path():
+def test_auto_on_cpu_picks_the_program_exactly_where_it_fits_and_enforce_eager_never_does():
+    """The contract of the default choice, not one host's outcome: ``auto`` on CPU takes the native decode program
+    exactly where the engine's own layers fit it (which packing wins is timed on the host, and a timing taken
+    earlier in the process may differ from a fresh one), and ``enforce_eager`` never takes a fast runner."""
     model = make_model("llama", seed=3)
-    for config in ({}, {"enforce_eager": True, "decode_runner": "static"}):
-        engine = PagedGenerator(model, num_blocks=64, **config)
-        assert engine.executor.runner.fast is None
-        engine.close()
+    for config in ({}, {"prepack_weights": False}, {"prepack_weights": "native"}):
+        with PagedGenerator(model, num_blocks=64, **config) as engine:
+            ex = engine.executor
+            fits = not why_not(model, ex.fused, ex.packed) and cpu_attention.available(ex.pool.cache_dtype)
+            assert isinstance(ex.runner.fast, DecodeProgram) if fits else ex.runner.fast is None, (config, fits)
+            if config.get("prepack_weights") is False:
+                assert ex.runner.fast is None  # the program runs on packed (or quantized) linears only
+            if config.get("prepack_weights") == "native" and NATIVE_GEMM.load() is not None:
+                assert fits  # our GEMM packed and the fused layers: this model fits the program
+    for config in ({}, {"decode_runner": "static"}, {"decode_runner": "native", "prepack_weights": "native"}):
+        with PagedGenerator(model, num_blocks=64, enforce_eager=True, **config) as engine:
+            assert engine.executor.runner.fast is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2"])

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from hf_paged.cpu import isa
+
 REPO_DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "chat_prompts.jsonl"
 
 
@@ -60,6 +62,7 @@ def machine_info() -> dict:
         "transformers": __import__("transformers").__version__,
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "isa": isa.describe(),  # the kernels' instruction-set path (HF_PAGED_ISA forces a lower one)
     }
 
 
@@ -100,7 +103,7 @@ def compute_params(model: torch.nn.Module) -> int:
 def print_report(workload: str, dtype: str, results: list[SystemResult], reference: str, extra: dict | None = None) -> dict:
     """Print the table and one JSON line; ratios are hf_paged's tok/s over each system's."""
     ours = next(r for r in results if r.system == reference)
-    print(f"\n== hf-paged bench {workload} ({dtype}) ==")
+    print(f"\n== hf-paged bench {workload} ({dtype}; CPU kernels: {isa.describe()}) ==")
     print(f"{'system':<44} {'tokens':>7} {'time s':>8} {'tok/s':>8} {'hf_paged speedup':>17}")
     for r in results:
         ratio = ours.tok_per_s / r.tok_per_s

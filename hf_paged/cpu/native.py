@@ -1,7 +1,8 @@
 """Build and load the project's C kernels (``csrc/*.c``) with the host compiler, once per machine.
 
 Each library is compiled on first use with ``$CC`` (else ``cc``/``gcc``/``clang``) and ``-O3 -march=native
--fopenmp`` into the user cache dir, keyed by its source, the flags and the CPU, and loaded with ctypes. The
+-fopenmp`` (``HF_PAGED_ISA=avx2`` / ``avx512``: that level's target instead, :mod:`hf_paged.cpu.isa`) into the user
+cache dir, keyed by its source, the flags and the CPU, and loaded with ctypes. The
 build is time-limited (``HF_PAGED_CC_TIMEOUT`` seconds, default 120); ``HF_PAGED_NO_NATIVE=1`` turns every
 native kernel off. A library that cannot be built is None, with a one-line reason, and callers keep their
 pure-torch path. OpenMP comes from libgomp.so.1, the runtime torch's own threads use in the same process.
@@ -19,12 +20,13 @@ import tempfile
 import threading
 from pathlib import Path
 
+from hf_paged.cpu import isa
 from hf_paged.env import cache_dir
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")  # + the ISA level's target (isa.march_flags())
 
 
 def compiler() -> str | None:
@@ -35,14 +37,7 @@ def compiler() -> str | None:
 
 
 def _cpu_key() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return os.uname().machine
+    return isa.cache_key() if isa.host_flags() else os.uname().machine
 
 
 def _last_line(text: str) -> str:
@@ -63,12 +58,17 @@ class NativeLibrary:
     def __init__(self, source: str, functions: dict[str, tuple], extra_flags: tuple[str, ...] = (), what: str = "") -> None:
         self.source = CSRC / source
         self.functions = functions
-        self.flags = (*CFLAGS, *extra_flags)
+        self.extra_flags = extra_flags
         self.what = what or self.source.stem
         self.why = ""  # why the library is missing
         self._lib: ctypes.CDLL | None = None
         self._tried = False
         self._lock = threading.Lock()
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The compiler flags at the current ISA level (ValueError for a bad ``HF_PAGED_ISA``)."""
+        return (*CFLAGS, *isa.march_flags(), *self.extra_flags)
 
     def _build(self, cc: str) -> Path:
         src = self.source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # its includes
@@ -97,6 +97,7 @@ class NativeLibrary:
         with self._lock:
             if self._tried:
                 return self._lib
+            isa.forced_level()  # a bad HF_PAGED_ISA is the caller's error, raised every time, never a silent miss
             self._tried = True
             if os.environ.get("HF_PAGED_NO_NATIVE") == "1":
                 self.why = "disabled by HF_PAGED_NO_NATIVE=1"
