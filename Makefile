@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # torch 2.13.0 has a CPU wheel on this project's machines; an unpinned torch could pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: run test test-fast bench install chromium clean
+.PHONY: run test test-fast test-random bench install chromium clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,8 +41,17 @@ FAST_TESTS := tests/test_scheduler.py tests/test_block_manager.py tests/test_blo
 	'tests/test_paged_cache.py::test_greedy_matches_dynamic_cache[4]' \
 	'tests/test_paged_cache.py::test_beam_search_matches_dynamic_cache[2]'
 
+# A test must not depend on what ran before it: test-fast runs its tests a second time in a shuffled order, and
+# test-random shuffles the whole suite. The seed is printed; `make test-random SEED=N` repeats an order.
+SEED ?= $(shell $(PYTHON) -c 'import random; print(random.randrange(1 << 16))')
+SHUFFLED := -p random_order --random-order-bucket=global --random-order-seed=$(SEED)
+
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(FAST_TESTS)
+	$(PY) -m pytest -q $(SHUFFLED) $(FAST_TESTS)
+
+test-random: $(STAMP) chromium
+	$(PY) -m pytest -q $(SHUFFLED)
 
 bench: $(STAMP)
 	$(VENV)/bin/hf-paged bench chat --dtype fp32
