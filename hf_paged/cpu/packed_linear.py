@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from hf_paged.cpu import native_gemm, probes
+from hf_paged.cpu import native_gemm, probes, tuning_store
 from hf_paged.cpu.native_gemm import NativePackedWeight
 
 logger = logging.getLogger(__name__)
@@ -281,7 +281,8 @@ def fastest_kind(
     coming from DRAM as in an engine step; the fastest kind.
 
     "torch" when no packing works, or (``include_torch``) none clearly beats ``F.linear``. Timed once per
-    process and shape (tens of ms: each kind packs and runs copies of the weight that overflow the caches).
+    process and shape (tens of ms: each kind packs and runs copies of the weight that overflow the caches), and
+    kept across runs on this host (:mod:`hf_paged.cpu.tuning_store`): a warm start reads the timings.
     """
     key = (dtype, out_features, in_features, include_torch)
     if key in _fastest:
@@ -289,6 +290,26 @@ def fastest_kind(
     kinds = [k for k in CANDIDATES.get(dtype, ()) if available(k, dtype)]
     if not kinds:
         return "torch"
+    stored_key = f"linear:{str(dtype).removeprefix('torch.')}:{out_features}x{in_features}:{rows}rows:" + (
+        "with-torch" if include_torch else "packed-only")
+    wanted = {*kinds, *(("torch",) if include_torch else ())}
+    timings = tuning_store.get(stored_key)
+    if timings is None or set(timings) != wanted:  # not stored, or the working kinds changed since
+        timings = _time_kinds(dtype, out_features, in_features, kinds, include_torch, rows, reps)
+        tuning_store.put(stored_key, timings)
+    best = choose_kind(timings)
+    _timings[key] = timings
+    logger.info(
+        "%s linear %dx%d, %d rows: %s -> %s", str(dtype).removeprefix("torch."), out_features, in_features, rows,
+        ", ".join(f"{k} {t * 1e6:.0f} us" for k, t in timings.items()), best,
+    )
+    _fastest[key] = best
+    return best
+
+
+def _time_kinds(dtype: torch.dtype, out_features: int, in_features: int, kinds: list[str], include_torch: bool,
+                rows: int, reps: int) -> dict[str, float]:
+    """Seconds per call of ``F.linear`` (``include_torch``) and of each packing in ``kinds`` at one shape."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
@@ -315,14 +336,7 @@ def fastest_kind(
         del calls
     del weights
     _release_freed_memory()
-    best = choose_kind(timings)
-    _timings[key] = timings
-    logger.info(
-        "%s linear %dx%d, %d rows: %s -> %s", str(dtype).removeprefix("torch."), out_features, in_features, rows,
-        ", ".join(f"{k} {t * 1e6:.0f} us" for k, t in timings.items()), best,
-    )
-    _fastest[key] = best
-    return best
+    return timings
 
 
 def reset() -> None:
@@ -332,6 +346,7 @@ def reset() -> None:
     _fastest.clear()
     _timings.clear()
     _upcast_inner = None
+    tuning_store.forget()
     for kind in KINDS:
         probes.reset(f"linear.{kind}")
 
