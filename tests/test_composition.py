@@ -124,6 +124,7 @@ def test_pair(runner, a, b):
     engine, work = plan(a, b)
     got = runner.outcome(engine, work)
     assert not runner.left_behind.get(engine), f"tensor-parallel workers left running: {runner.left_behind[engine]}"
+    assert not torch.distributed.is_initialized(), "a closed tensor-parallel engine left its process group"
     if cell.kind == "refused":
         assert isinstance(got.error, (ValueError, NotImplementedError)) and got.stage in ("start", "request"), (
             f"{a} with {b} should be refused at start or intake, got: {_describe(got)}"
