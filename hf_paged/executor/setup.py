@@ -15,6 +15,7 @@ from hf_paged.cpu.fused_layers import FAMILIES, FusedLayers
 from hf_paged.cpu.native_program import DecodeProgram
 from hf_paged.cpu.packed_model import PackedLinears
 from hf_paged.cpu.program_fit import hooks, skipped_modules, why_not
+from hf_paged.cpu.quant_linear import QuantLinear
 from hf_paged.cpu.quantize_model import QuantizedLinears
 from hf_paged.default_model import load_model
 from hf_paged.executor.decode_buckets import DecodeBuckets, resolve_mode
@@ -101,6 +102,12 @@ def maybe_prepack(model: torch.nn.Module, cfg: EngineConfig, device: torch.devic
     kind = want if isinstance(want, str) else ("any" if want else "auto")
 
     packed = model_patches.acquire(model, "packing", lambda: PackedLinears(model, attention.engine_forward_active, kind))
+    if want is not None and packed is None and _all_quantized(model):
+        # quantization (or a GGUF file) made every linear a QuantLinear, which has its own packed format: there is
+        # nothing left for prepack_weights to pack, and the native decode program runs the quantized linears
+        logger.info("prepack_weights=%r: every linear of the model is quantized (its own packed format); "
+                    "nothing left to pack", want)
+        return None
     if want is not None and packed is None:
         dtypes = sorted({p.dtype for p in model.parameters()}, key=str)
         tried = [k for k in packed_linear.KINDS if kind in ("any", k)]
@@ -112,6 +119,13 @@ def maybe_prepack(model: torch.nn.Module, cfg: EngineConfig, device: torch.devic
             why += "; weights made under torch.inference_mode are never packed (no version counter to see changes)"
         raise RuntimeError(f"prepack_weights={want!r}: no nn.Linear weight of this model can be packed here ({why})")
     return packed
+
+
+def _all_quantized(model: torch.nn.Module) -> bool:
+    """Whether the model's linears are all quantized ones (no plain ``nn.Linear`` left for packing)."""
+    return any(type(m) is QuantLinear for m in model.modules()) and not any(
+        type(m) is torch.nn.Linear for m in model.modules()
+    )
 
 
 def maybe_fuse(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
