@@ -103,8 +103,9 @@ class BeamSearch:
         # Beams never stop by themselves: the search finishes them. Greedy params keep the runner from sampling.
         # With a grammar (compiled: ``grammar.compiled``), each beam's matcher ends at the search's stop tokens.
         if grammar is not None:
-            compiled, grammar = grammar.compiled, replace(grammar)  # this search's copy (replace drops compiled)
-            grammar.compiled, grammar.stop_token_ids = compiled, frozenset(stops)
+            engine_copy, grammar = grammar, replace(grammar)  # this search's copy (replace drops compiled)
+            grammar.compiled, grammar.token_mask = engine_copy.compiled, engine_copy.token_mask
+            grammar.stop_token_ids = frozenset(stops)
         seq_params = SamplingParams(max_tokens=M + 1, temperature=0.0, ignore_eos=True, structured_outputs=grammar)
         self.prompt_requests = []
         for b, prompt in enumerate(prompts):
