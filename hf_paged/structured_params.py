@@ -15,6 +15,13 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CONSTRAINT_ERROR = "invalid structured output constraint"
 
 
+def dead_end_message(kind: str, generated: int) -> str:
+    """Why a sequence whose grammar allows no next token failed (the constraint's fault, not the model's)."""
+    return (f"{CONSTRAINT_ERROR}: structured_outputs.{kind} allows no token after {generated} generated "
+            "token(s) and cannot end there, so no output satisfies it (e.g. an empty character class such as "
+            "[^\\s\\S], or a rule that never ends)")
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrain a request's output (vLLM's names); set exactly one of the fields.

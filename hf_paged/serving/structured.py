@@ -190,6 +190,7 @@ def _tools(body: dict, tokenizer) -> tuple[ToolMode | None, StructuredOutputsPar
                          choice_param, "unsupported_parameter")
         return ToolMode(list(functions), None, template_tools, auto=True, single=parallel is False), None
     if choice == "required":
+        _check_parameters(functions, list(functions))
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": f["parameters"]},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, f in functions.items()]
@@ -205,7 +206,16 @@ def _tools(body: dict, tokenizer) -> tuple[ToolMode | None, StructuredOutputsPar
     if named not in functions:
         raise _error(f"tool_choice names the function {named!r}, which is not in tools ({sorted(functions)})",
                      "tool_choice")
+    _check_parameters(functions, [named])
     return ToolMode(list(functions), named, template_tools), _make("tools", json=functions[named]["parameters"])
+
+
+def _check_parameters(functions: dict[str, dict], names: list[str]) -> None:
+    """The parameters schemas of the functions a call is constrained to, each checked on its own (a 400 naming
+    ``tools[i].function.parameters``, with JSON pointers into that schema)."""
+    order = list(functions)
+    for name in names:
+        _make(f"tools[{order.index(name)}].function.parameters", json=functions[name]["parameters"])
 
 
 def _functions(tools: Any) -> dict[str, dict]:

@@ -20,14 +20,8 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from hf_paged.structured.compiler import import_xgrammar
-from hf_paged.structured_params import CONSTRAINT_ERROR
+from hf_paged.structured_params import dead_end_message
 
-
-def dead_end_message(kind: str, generated: int) -> str:
-    """Why a sequence whose grammar allows no next token failed (the constraint's fault, not the model's)."""
-    return (f"{CONSTRAINT_ERROR}: structured_outputs.{kind} allows no token after {generated} generated "
-            "token(s) and cannot end there, so no output satisfies it (e.g. an empty character class such as "
-            "[^\\s\\S], or a rule that never ends)")
 
 
 class StructuredMatchers:
