@@ -56,6 +56,9 @@ REFUSED = [
     ({"type": "string", "pattern": "a$b"}, "pattern", "#/pattern"),
     ({"type": "string", "pattern": "\\Aab"}, "pattern", "#/pattern"),
     ({"type": "string", "pattern": "(?=a)[a-z]"}, "pattern", "#/pattern"),
+    ({"type": "string", "pattern": '^say "hi"$'}, "pattern", "#/pattern"),  # xgrammar writes the quote raw
+    ({"type": "object", "propertyNames": {"pattern": "^[\\\\]$"}, "maxProperties": 1}, "pattern",
+     "#/propertyNames/pattern"),
     ({"$ref": "#/$defs/N", "maximum": 3, "$defs": {"N": {"type": "integer"}}}, "maximum", "#/maximum"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"required": ["a"]}]}, "properties",
      "#/properties"),

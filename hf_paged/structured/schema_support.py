@@ -113,6 +113,33 @@ def unsupported_regex_construct(regex: str) -> str | None:
     return None
 
 
+_QUOTE_OR_BACKSLASH = re.compile(r'"|\\\\|\\x(22|5[cC])|\\u00(22|5[cC])')
+
+
+def unescaped_json_hazard(regex: str) -> str | None:
+    """Where a JSON-schema pattern names '"' or a backslash itself (a literal, ``\\\\``, ``\\x22``, ...)
+    outside a negated class: xgrammar writes such a character into the JSON string unescaped, which ends the
+    string early or breaks the JSON. None if there is no such place."""
+    i, n, negated = 0, len(regex), None  # negated: None outside a class, else whether the class is [^...]
+    while i < n:
+        if negated is not True:
+            hit = _QUOTE_OR_BACKSLASH.match(regex, i)
+            if hit:
+                return f"{hit.group(0)!r} at position {i + 1} (xgrammar would write it unescaped into the JSON string)"
+        c = regex[i]
+        if c == "\\":
+            i += 2
+            continue
+        if negated is None and c == "[":
+            negated = regex.startswith("^", i + 1)
+            i += 2 if negated else 1
+            continue
+        if negated is not None and c == "]":
+            negated = None
+        i += 1
+    return None
+
+
 def check_schema_support(schema: dict | bool) -> None:
     """Raise :class:`UnsupportedSchemaError` for the first part of ``schema`` (a valid JSON schema) that xgrammar
     would not enforce; return if every keyword it generates from is enforced."""
@@ -283,7 +310,7 @@ class _Walker:
     def _string(self, schema: dict, path: str) -> None:
         pattern = schema.get("pattern")
         if isinstance(pattern, str):
-            problem = unsupported_regex_construct(pattern)
+            problem = unsupported_regex_construct(pattern) or unescaped_json_hazard(pattern)
             if problem is not None:
                 raise UnsupportedSchemaError("pattern", pointer(path, "pattern"), f"its regex has {problem}")
         generative = "pattern" if pattern is not None else "format" if schema.get("format") in BUILTIN_FORMATS \
@@ -307,7 +334,7 @@ class _Walker:
                                          "with several patterns a key may match two of them; use one pattern")
         for regex, sub in patterns.items():
             where = pointer(path, "patternProperties", regex)
-            problem = unsupported_regex_construct(regex)
+            problem = unsupported_regex_construct(regex) or unescaped_json_hazard(regex)
             try:
                 overlap = [name for name in properties if re.search(regex, name)]
             except re.error as e:
