@@ -21,6 +21,7 @@ import torch
 from hf_paged.core.scheduler_output import BeamUpdate
 from hf_paged.sequence import Sequence
 from hf_paged.sampling_params import BeamSearchParams, SamplingParams
+from hf_paged.structured_params import CONSTRAINT_ERROR, dead_end_message
 
 NEG = -1.0e9  # stock beam search's "impossible" score
 
@@ -100,11 +101,13 @@ class BeamSearch:
         self.done = False
         self.error: str | None = None  # why the search failed (a failed engine step), if it did
         self.scores: list[torch.Tensor] | None = [] if keep_scores else None
+        self.grammar_kind = grammar.kind if grammar is not None else None
         # Beams never stop by themselves: the search finishes them. Greedy params keep the runner from sampling.
         # With a grammar (compiled: ``grammar.compiled``), each beam's matcher ends at the search's stop tokens.
         if grammar is not None:
-            compiled, grammar = grammar.compiled, replace(grammar)  # this search's copy (replace drops compiled)
-            grammar.compiled, grammar.stop_token_ids = compiled, frozenset(stops)
+            engine_copy, grammar = grammar, replace(grammar)  # this search's copy (replace drops compiled)
+            grammar.compiled, grammar.token_mask = engine_copy.compiled, engine_copy.token_mask
+            grammar.stop_token_ids = frozenset(stops)
         seq_params = SamplingParams(max_tokens=M + 1, temperature=0.0, ignore_eos=True, structured_outputs=grammar)
         self.prompt_requests = []
         for b, prompt in enumerate(prompts):
@@ -144,7 +147,8 @@ class BeamSearch:
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"beam search failed: {self.error}")
+            kind = ValueError if self.error.startswith(CONSTRAINT_ERROR) else RuntimeError  # the request's fault
+            raise kind(f"beam search failed: {self.error}")
 
     # -- one step of stock beam search ------------------------------------------------------------
     def _processed_log_probs(self) -> torch.Tensor:
@@ -170,6 +174,11 @@ class BeamSearch:
             self.scores.append(log_probs.clone())
         vocab = log_probs.shape[-1]
         acc = (log_probs.view(B, K, vocab) + self.running_beam_scores[:, :, None]).reshape(B, K * vocab)
+        if self.grammar_kind is not None:  # every beam of an open prompt in a grammar dead end: nothing valid
+            stuck = torch.isneginf(acc).all(dim=1) & self.unsatisfied[:, 0] & ~self.is_sent_finished.any(dim=1)
+            if bool(stuck.any()):
+                self.error = dead_end_message(self.grammar_kind, t)
+                return BeamUpdate(frees=self.abort())
 
         # top continuations over all beams of each row
         topk_log_probs, topk_indices = torch.topk(acc, k=self.beams_to_keep)

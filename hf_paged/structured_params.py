@@ -1,6 +1,7 @@
 """What a structured-output request constrains its output to (pure Python: the scheduling layer reads it).
 
-The grammar itself is compiled by :mod:`hf_paged.structured` (xgrammar) when the engine admits the request.
+Building one checks the constraint (:mod:`hf_paged.structured.validation`, imported lazily: it loads xgrammar);
+the grammar itself is compiled by :mod:`hf_paged.structured` when the engine admits the request.
 """
 
 from __future__ import annotations
@@ -10,6 +11,15 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# How the error of a request whose constraint turned out to admit no output starts (the server answers 400)
+CONSTRAINT_ERROR = "invalid structured output constraint"
+
+
+def dead_end_message(kind: str, generated: int) -> str:
+    """Why a sequence whose grammar allows no next token failed (the constraint's fault, not the model's)."""
+    return (f"{CONSTRAINT_ERROR}: structured_outputs.{kind} allows no token after {generated} generated "
+            "token(s) and cannot end there, so no output satisfies it (e.g. an empty character class such as "
+            "[^\\s\\S], or a rule that never ends)")
 
 
 @dataclass
@@ -35,6 +45,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     # the engine's compiled grammar (set on the engine's own copy at admission, never by users)
     compiled: Any = field(default=None, init=False, repr=False, compare=False)
+    # JSON output: the tokens it may ever contain, an int32 bitmask (none with a raw control character, which
+    # JSON never has; xgrammar's length-bounded strings would allow them), set on the engine's copy
+    token_mask: Any = field(default=None, init=False, repr=False, compare=False)
     # beam search: the search's stop tokens end the grammar (its beams never stop by themselves)
     stop_token_ids: Any = field(default=None, init=False, repr=False, compare=False)
 
@@ -65,6 +78,11 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+        # the constraint itself (schema keywords, regex, grammar, emptiness) is checked now, not at generate();
+        # that module loads xgrammar (and with it torch), so only when a constraint is built
+        from hf_paged.structured.validation import check_constraint
+
+        check_constraint(self)
 
     @property
     def kind(self) -> str:

@@ -134,6 +134,19 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format.json_schema.schema", "required"),
     ({"guided_regex": "(a"}, "guided_regex", "parenthesis"),
+    ({"guided_regex": r"[^\s\S]"}, "guided_regex", "can match nothing"),
+    ({"guided_regex": r"\d+\z"}, "guided_regex", r"escape \z"),
+    ({"guided_grammar": 'root ::= x\nx ::= x "b"'}, "guided_grammar", "can match nothing"),
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "'uniqueItems' at #/uniqueItems"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"allOf": [{"type": "integer"}, {"minimum": 2}]}}}}}},
+     "response_format", "'allOf' at #/properties/a/allOf"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"not": {"type": "null"}}}}}}], "tool_choice": "required"}, "tools[0].function.parameters",
+     "'not' at #/properties/a/not"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {
+        "b": {"type": "string", "format": "date", "maxLength": 3}}}}}], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, "tools[1].function.parameters", "'maxLength' at #/properties/b"),
     ({"guided_grammar": 'start ::= "a"'}, "guided_grammar", "root"),
     ({"guided_choice": []}, "guided_choice", "non-empty"),
     ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex", "only one"),
@@ -144,7 +157,7 @@ BAD = [
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "<tool_call> tags"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bad"}}}],
-      "tool_choice": "required"}, "tools", "invalid JSON schema"),
+      "tool_choice": "required"}, "tools[0].function.parameters", "invalid JSON schema"),
     ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools[0]", "function"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"functions": [WEATHER["function"]]}, "functions", "tools"),
@@ -222,3 +235,49 @@ def test_tool_choice_auto_with_a_template_that_takes_tools(hermes_server):
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
     r = chat(client, tools=[WEATHER], extra_body={"guided_regex": re.escape(call.replace("get_weather", "nope"))})
     assert r.choices[0].message.tool_calls is None and "nope" in r.choices[0].message.content  # unknown: text
+
+
+def test_every_refused_schema_keyword_is_a_400_naming_it(server):
+    """Each schema the engine refuses (tests/test_structured_schema_support.py) is a 400 before admission, as
+    response_format and as guided_json, naming the keyword and its JSON pointer."""
+    from tests.test_structured_schema_support import REFUSED
+
+    url, loop = server
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            answers = []
+            for schema, _, _ in REFUSED:
+                fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+                answers.append(await http.post("/v1/chat/completions", json={"messages": CHAT, "response_format": fmt}))
+                answers.append(await http.post("/v1/completions", json={"prompt": "x", "guided_json": schema}))
+            # tools whose calls are not constrained ("none": no grammar) are not checked
+            tool = {"type": "function", "function": {"name": "f", "parameters": REFUSED[0][0]}}
+            free = await http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "tools": [tool],
+                                                                 "tool_choice": "none"})
+            assert free.status_code == 200, free.text
+            return answers
+
+    answers = asyncio.run(main())
+    for i, r in enumerate(answers):
+        _, keyword, path = REFUSED[i // 2]
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == ("response_format", "guided_json")[i % 2], err
+        assert f"{keyword!r} at {path} is not enforced" in err["message"], err
+    assert used_blocks(loop) == 0 and loop.num_live_requests == 0
+
+
+def test_a_grammar_dead_end_is_a_400_naming_the_constraint(client, server):
+    """A regex that allows "a" and then nothing fails at the step: a 400 naming guided_regex (never a 500 about
+    non-finite logits), and in a stream an error event of the same kind."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, extra_body={"guided_regex": r"a[^\s\S]"})
+    err = caught.value.body
+    assert err["param"] == "guided_regex" and "structured_outputs.regex allows no token" in err["message"], err
+    chunks = httpx.post(server[0] + "/v1/completions", timeout=120, json={
+        "prompt": "x", "max_tokens": 8, "stream": True, "guided_regex": r"a[^\s\S]"}).text
+    events = [json.loads(line[6:]) for line in chunks.splitlines() if line.startswith("data: {")]
+    assert events[-1]["error"]["type"] == "invalid_request_error", events[-1]
+    assert "allows no token" in events[-1]["error"]["message"]
+    assert used_blocks(server[1]) == 0

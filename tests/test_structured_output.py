@@ -334,3 +334,42 @@ def test_beam_search_keeps_every_beam_in_the_grammar(engine, tok):
     with pytest.raises(ValueError, match="regex"):
         engine.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=8, structured_outputs={"regex": "(["}))
     assert engine.kv_manager.pool.num_free_blocks == free
+
+
+def test_a_grammar_dead_end_fails_only_that_request_naming_the_constraint(engine):
+    """``a[^\\s\\S]`` allows "a", then nothing: that request (both samples) fails with an error naming its
+    constraint, not "non-finite logits" blamed on the model; the request beside it is untouched."""
+    dead = structured(max_tokens=8, temperature=1.0, regex=r"a[^\s\S]").clone(n=2)
+    outs = engine.generate(["Hi", "Hello"], [dead, SamplingParams(max_tokens=6, temperature=0.0)], use_tqdm=False)
+    for c in outs[0].outputs:
+        assert c.finish_reason == "error" and c.text == "a", c
+        assert "structured_outputs.regex allows no token after 1 generated token" in c.error, c.error
+        assert "non-finite" not in c.error and "model" not in c.error
+    assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 6
+    assert engine.kv_manager.num_used_blocks == 0
+
+
+def test_a_dead_end_under_speculation_and_beam_search_names_the_constraint(tok, engine):
+    from hf_paged import BeamSearchParams
+    from hf_paged.structured.matchers import StructuredMatchers
+
+    # verification: the matcher walks the drafts "a", "b" into the dead end: that position is reported, the
+    # rows before it are masked
+    compiled = engine._grammars.compile(StructuredOutputsParams(regex=r"ab[^\s\S]"))
+    matchers = StructuredMatchers()
+    matchers.add(7, compiled, engine.eos_token_ids, [], kind="regex")
+    a, b = tok.convert_tokens_to_ids("a"), tok.convert_tokens_to_ids("b")
+    dead: dict[int, int] = {}
+    rows = matchers.mask_verify(torch.zeros(3, engine.vocab_size), [7], [[a, b]], dead=dead)
+    assert dead == {7: 2} and rows[0, a].isfinite() and not rows[0, b].isfinite() and rows[1, b].isfinite()
+    assert "after 2 generated token" in matchers.dead_end(7, dead[7])
+    spec = dict(method="ngram", num_speculative_tokens=3)
+    with PagedGenerator(tiny_chat_model(tok), tok, block_size=4, num_blocks=400, speculative_config=spec) as fast:
+        out = fast.generate(["a a a a a a"], structured(max_tokens=8, regex=r"a[^\s\S]"), use_tqdm=False)[0]
+        assert out.outputs[0].finish_reason == "error" and "structured_outputs.regex" in out.outputs[0].error
+        assert fast.kv_manager.num_used_blocks == 0
+    # beam search: every beam stuck -> a ValueError naming the constraint (stock beam search returned nothing)
+    with pytest.raises(ValueError, match="structured_outputs.regex allows no token"):
+        engine.beam_search(["Hi"], BeamSearchParams(beam_width=2, max_tokens=4,
+                                                    structured_outputs={"regex": r"a[^\s\S]"}))
+    assert engine.kv_manager.num_used_blocks == 0

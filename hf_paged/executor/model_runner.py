@@ -79,7 +79,8 @@ class ModelRunner:
             grammar = data.sampling_params.structured_outputs
             if grammar is not None and grammar.compiled is not None:
                 stops = data.stop_token_ids if grammar.stop_token_ids is None else grammar.stop_token_ids
-                self.structured.add(data.seq_id, grammar.compiled, stops, data.output_token_ids)
+                self.structured.add(data.seq_id, grammar.compiled, stops, data.output_token_ids, kind=grammar.kind,
+                                    token_mask=grammar.token_mask)
         for item in out.scheduled:
             self.block_tables.apply(item)
 
@@ -176,10 +177,14 @@ class ModelRunner:
             state = self.states[item.seq_id]
             if state.is_beam:
                 beam_row = logits[row : row + 1]
+                dead: dict[int, str] = {}
                 if item.seq_id in self.structured:  # its matcher follows the search's tokens; forbidden: -inf
                     self.structured.follow(item.seq_id, len(state.prompt_token_ids), item.start, item.token_ids)
-                    beam_row = self.structured.mask(beam_row, [item.seq_id])
-                result.beam_rows[item.seq_id] = torch.log_softmax(beam_row[0].float(), dim=-1)
+                    beam_row = self.structured.mask(beam_row, [item.seq_id], dead=dead)
+                if dead:  # its grammar allows nothing: the beam cannot continue (-inf, never NaN, for the search)
+                    result.beam_rows[item.seq_id] = torch.full_like(beam_row[0], float("-inf"), dtype=torch.float32)
+                else:
+                    result.beam_rows[item.seq_id] = torch.log_softmax(beam_row[0].float(), dim=-1)
             elif item.num_draft_tokens:
                 verify_items.append((row, item, state))
             else:
@@ -196,10 +201,15 @@ class ModelRunner:
             sub = logits if rows == list(range(logits.shape[0])) else logits[rows]
             if self.structured:  # masked in place unless a row's logprobs need its raw logits after sampling
                 keep_raw = any(s.params.logprobs is not None for s in states)
-                masked = self.structured.mask(sub, [s.seq_id for s in states], inplace=not keep_raw)
+                dead: dict[int, str] = {}
+                masked = self.structured.mask(sub, [s.seq_id for s in states], inplace=not keep_raw, dead=dead)
+                if dead:  # a grammar that allows no token fails its sequence alone (the constraint's error)
+                    result.errors.update(dead)
+                    keep = [i for i, s in enumerate(states) if s.seq_id not in dead]
+                    sub, masked, states = sub[keep], masked[keep], [states[i] for i in keep]
             else:
                 masked = sub
-            tokens = self._sample_isolated(masked, states, scores, result.errors)
+            tokens = self._sample_isolated(masked, states, scores, result.errors) if states else []
             for i, (state, token) in enumerate(zip(states, tokens)):
                 if token is None:
                     continue
@@ -243,8 +253,9 @@ class ModelRunner:
         sub = logits.index_select(0, index)
         states = [state for _, _, state in items]
         drafts = [item.token_ids[-item.num_draft_tokens :] for _, item, _ in items]
+        dead: dict[int, int] = {}  # sequence -> the position where its grammar allows no token
         if self.structured:  # every verified position masked as if the drafts before it were accepted
-            sub_raw, sub = sub, self.structured.mask_verify(sub, [s.seq_id for s in states], drafts)
+            sub_raw, sub = sub, self.structured.mask_verify(sub, [s.seq_id for s in states], drafts, dead=dead)
         else:
             sub_raw = sub
         try:
@@ -261,7 +272,10 @@ class ModelRunner:
                 offset += len(draft) + 1
         offset = 0
         for state, draft, tokens in zip(states, drafts, emitted):
-            if tokens is not None:
+            if tokens is not None and len(tokens) > dead.get(state.seq_id, len(tokens)):
+                # a token was verified where the grammar allows none: the sequence fails (the constraint's error)
+                result.errors[state.seq_id] = self.structured.dead_end(state.seq_id, dead[state.seq_id])
+            elif tokens is not None:
                 self._emit(result, state, tokens, sub_raw[offset : offset + len(tokens)])
                 result.num_draft_tokens[state.seq_id] = len(draft)
                 result.num_accepted_tokens[state.seq_id] = len(tokens) - 1

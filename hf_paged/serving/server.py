@@ -22,7 +22,7 @@ from hf_paged.serving.http_runner import BackgroundServer, run_server  # noqa: F
 from hf_paged.serving.openapi import install_openapi
 from hf_paged.serving.protocol import APIError, ParsedRequest, ServedModel, check_depth, parse_chat, parse_completion
 from hf_paged.serving.responses import chat_logprobs, completion_logprobs, new_id, usage
-from hf_paged.serving.structured import compile_grammar
+from hf_paged.serving.structured import compile_grammar, generation_error
 from hf_paged.serving.stream import RequestStream
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def build_app(
         for i, out in enumerate(results):
             for c in out.outputs:
                 if c.finish_reason == "error":
-                    raise APIError(c.error or "generation failed", 500, type="server_error")
+                    raise generation_error(parsed, c.error)
                 completion_tokens += len(c.token_ids)
                 index = i * parsed.params.n + c.index
                 choices.append(choice(parsed, c, index, stream=False))
@@ -249,7 +249,7 @@ def build_app(
                 for c in delta.outputs:
                     index = i * n + c.index
                     if c.finish_reason == "error":
-                        err = APIError(c.error or "generation failed", 500, type="server_error")
+                        err = generation_error(parsed, c.error)
                         yield b"data: " + json.dumps(err.to_dict()).encode() + b"\n\n"
                         yield b"data: [DONE]\n\n"
                         return

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_paged.structured_params import KINDS, StructuredOutputsParams
+from hf_paged.structured_params import CONSTRAINT_ERROR, KINDS, StructuredOutputsParams
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -159,7 +159,7 @@ def _response_format(fmt: Any) -> StructuredOutputsParams | None:
     if spec.get("strict") not in (None, True, False):
         raise _error(f"response_format.json_schema.strict must be a boolean, got {spec['strict']!r}",
                      "response_format.json_schema.strict")
-    return _make("response_format.json_schema.schema", json=schema)
+    return _make("response_format", json=schema)
 
 
 def _tools(body: dict, tokenizer) -> tuple[ToolMode | None, StructuredOutputsParams | None]:
@@ -190,6 +190,7 @@ def _tools(body: dict, tokenizer) -> tuple[ToolMode | None, StructuredOutputsPar
                          choice_param, "unsupported_parameter")
         return ToolMode(list(functions), None, template_tools, auto=True, single=parallel is False), None
     if choice == "required":
+        _check_parameters(functions, list(functions))
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": f["parameters"]},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, f in functions.items()]
@@ -205,7 +206,16 @@ def _tools(body: dict, tokenizer) -> tuple[ToolMode | None, StructuredOutputsPar
     if named not in functions:
         raise _error(f"tool_choice names the function {named!r}, which is not in tools ({sorted(functions)})",
                      "tool_choice")
+    _check_parameters(functions, [named])
     return ToolMode(list(functions), named, template_tools), _make("tools", json=functions[named]["parameters"])
+
+
+def _check_parameters(functions: dict[str, dict], names: list[str]) -> None:
+    """The parameters schemas of the functions a call is constrained to, each checked on its own (a 400 naming
+    ``tools[i].function.parameters``, with JSON pointers into that schema)."""
+    order = list(functions)
+    for name in names:
+        _make(f"tools[{order.index(name)}].function.parameters", json=functions[name]["parameters"])
 
 
 def _functions(tools: Any) -> dict[str, dict]:
@@ -253,6 +263,16 @@ def compile_grammar(engine, parsed):
     except ImportError as e:  # the structured extra is not installed
         raise APIError(str(e), 400, param=parsed.structured_param, code="unsupported_parameter") from e
     return parsed
+
+
+def generation_error(parsed, message: str | None):
+    """The APIError of a request that failed while generating: a 400 naming the constraint's field when its
+    constraint turned out to admit no output, else a 500."""
+    from hf_paged.serving.protocol import APIError
+
+    if message and message.startswith(CONSTRAINT_ERROR):
+        return APIError(message, 400, param=parsed.structured_param)
+    return APIError(message or "generation failed", 500, type="server_error")
 
 
 def template_takes_tools(tokenizer) -> bool:

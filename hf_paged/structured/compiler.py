@@ -8,15 +8,14 @@ content, and so do we, by :meth:`~hf_paged.structured_params.StructuredOutputsPa
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from hf_paged.structured.validation import check_json_schema, xgrammar_message
 from hf_paged.structured_params import StructuredOutputsParams
 
 _EXTRA_HINT = "pip install 'hf-paged[structured]'"
-_CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")  # "[21:29:37] /project/cpp/x.cc:83: " on xgrammar errors
 
 
 def import_xgrammar():
@@ -26,21 +25,6 @@ def import_xgrammar():
     except ImportError as e:
         raise ImportError(f"structured outputs need xgrammar: {_EXTRA_HINT} ({e})") from None
     return xgrammar
-
-
-def check_json_schema(schema: str | dict | bool) -> dict | bool:
-    """The schema as a dict, or a ValueError naming what is wrong with it (checked with ``jsonschema``)."""
-    parsed = json.loads(schema) if isinstance(schema, str) else schema
-    try:
-        import jsonschema
-    except ImportError:
-        return parsed  # xgrammar still rejects what it cannot compile
-    try:
-        jsonschema.validators.validator_for(parsed).check_schema(parsed)
-    except jsonschema.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
-        raise ValueError(f"invalid JSON schema at {where}: {e.message}") from None
-    return parsed
 
 
 class GrammarCompilerCache:
@@ -66,6 +50,25 @@ class GrammarCompilerCache:
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiles = 0
+        self._json_mask = None
+
+    def json_token_mask(self):
+        """int32 bitmask ``[vocab_size / 32]`` of the tokens a JSON output may contain: all but those whose text
+        holds a raw control character (U+0000..U+001F). Compact JSON has none (inside strings they are escaped),
+        but xgrammar's strings with minLength / maxLength allow them, which would break the JSON; special tokens
+        stay allowed (the grammar decides on them)."""
+        with self._lock:
+            if self._json_mask is None:
+                import numpy as np
+                import torch
+
+                special = set(self.info.special_token_ids)
+                bits = np.zeros(-(-self.vocab_size // 32) * 32, dtype=bool)
+                for token, text in enumerate(self.info.decoded_vocab[: self.vocab_size]):
+                    bits[token] = token in special or not any(byte < 0x20 for byte in text)
+                words = np.packbits(bits, bitorder="little").view(np.int32)
+                self._json_mask = torch.from_numpy(words.copy())
+            return self._json_mask
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar of ``params`` (cached); an invalid schema, regex or grammar is a ValueError."""
@@ -99,8 +102,7 @@ class GrammarCompilerCache:
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for a bad spec
-            message = _CPP_PREFIX.sub("", str(e).strip())
-            raise ValueError(f"invalid structured_outputs.{kind}: {message}") from None
+            raise ValueError(f"invalid structured_outputs.{kind}: {xgrammar_message(e)}") from None
 
 
 def prepare_params(cache: GrammarCompilerCache, params):
@@ -120,4 +122,6 @@ def prepare_params(cache: GrammarCompilerCache, params):
                          "the request with a stop token")
     mine = dataclasses.replace(wanted)  # the engine's own copy carries the grammar; the caller's stays as given
     mine.compiled = cache.compile(wanted)
+    if wanted.kind in ("json", "json_object"):
+        mine.token_mask = cache.json_token_mask()
     return dataclasses.replace(params, structured_outputs=mine)

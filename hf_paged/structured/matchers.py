@@ -7,6 +7,10 @@ sequence the runner meets again from scratch (a sample forked while its parent w
 output into a fresh matcher. Speculative verification masks every verified position: the matcher walks the
 drafts, fills one mask per position, and rolls back; a draft the grammar forbids is masked out at its own
 position, so it is rejected there.
+
+A grammar can reach a state that allows no token at all and cannot end (``a[^\\s\\S]`` after "a"): sampling
+from an all ``-inf`` row is impossible, so that sequence fails alone with :func:`dead_end_message`, which names
+its constraint. JSON rows also lose every token with a raw control character (``token_mask``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from hf_paged.structured.compiler import import_xgrammar
+from hf_paged.structured_params import dead_end_message
+
 
 
 class StructuredMatchers:
@@ -24,6 +30,8 @@ class StructuredMatchers:
     def __init__(self) -> None:
         self.matchers: dict[int, object] = {}
         self.accepted: dict[int, int] = {}  # output tokens each matcher has walked (beams: see follow)
+        self.kinds: dict[int, str] = {}  # the constraint's kind, named in a dead end's error
+        self.token_masks: dict[int, torch.Tensor] = {}  # int32 [V / 32]: tokens the output may ever contain
         self._bitmask: torch.Tensor | None = None
 
     def __contains__(self, seq_id: int) -> bool:
@@ -32,10 +40,20 @@ class StructuredMatchers:
     def __bool__(self) -> bool:
         return bool(self.matchers)
 
-    def add(self, seq_id: int, compiled, stop_token_ids: Iterable[int], output_token_ids: Sequence[int]) -> None:
-        """A matcher for a sequence new to the runner, replaying what it already generated (a fork)."""
+    def add(self, seq_id: int, compiled, stop_token_ids: Iterable[int], output_token_ids: Sequence[int],
+            kind: str = "grammar", token_mask: torch.Tensor | None = None) -> None:
+        """A matcher for a sequence new to the runner, replaying what it already generated (a fork).
+        ``token_mask`` (int32 ``[V / 32]``) limits every step's allowed tokens (stop tokens always stay allowed)."""
         xgr = import_xgrammar()
-        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids))
+        stops = sorted(stop_token_ids)
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
+        self.kinds[seq_id] = kind
+        if token_mask is not None:
+            token_mask = token_mask.clone()
+            for token in stops:  # a request's stop token may hold any bytes: it ends the grammar regardless
+                if token < token_mask.shape[0] * 32:
+                    token_mask[token // 32] |= _bit(token % 32)
+            self.token_masks[seq_id] = token_mask
         walked = 0
         for token in output_token_ids:
             if matcher.is_terminated() or not matcher.accept_token(token):
@@ -49,11 +67,18 @@ class StructuredMatchers:
         if parent in self.matchers:
             self.matchers[child] = self.matchers[parent].fork()
             self.accepted[child] = self.accepted[parent]
+            self.kinds[child] = self.kinds[parent]
+            if parent in self.token_masks:
+                self.token_masks[child] = self.token_masks[parent]  # read only: shared
 
     def drop(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
-            self.matchers.pop(seq_id, None)
-            self.accepted.pop(seq_id, None)
+            for table in (self.matchers, self.accepted, self.kinds, self.token_masks):
+                table.pop(seq_id, None)
+
+    def dead_end(self, seq_id: int, ahead: int = 0) -> str:
+        """The error of ``seq_id`` when its grammar allows no token ``ahead`` tokens past those it accepted."""
+        return dead_end_message(self.kinds.get(seq_id, "grammar"), self.accepted.get(seq_id, 0) + ahead)
 
     def accept(self, seq_id: int, tokens: Sequence[int]) -> str | None:
         """Advance ``seq_id``'s matcher over its new tokens; an error message if the grammar refuses one."""
@@ -86,47 +111,62 @@ class StructuredMatchers:
             self._bitmask = xgr.allocate_token_bitmask(max(rows, 8), vocab)
         return self._bitmask[:rows]
 
-    def _apply(self, logits: torch.Tensor, filled: list[tuple[int, object]], inplace: bool) -> torch.Tensor:
-        """``logits`` with row ``i`` masked by ``matcher``'s next-token bitmask for each ``(i, matcher)``."""
-        if not filled:
+    def _fill(self, bitmask: torch.Tensor, row: int, seq_id: int) -> bool:
+        """Fill ``bitmask[row]`` with ``seq_id``'s allowed next tokens; False if there are none (a dead end)."""
+        self.matchers[seq_id].fill_next_token_bitmask(bitmask, row)
+        token_mask = self.token_masks.get(seq_id)
+        if token_mask is not None:
+            bitmask[row, : token_mask.shape[0]] &= token_mask
+        return bool(bitmask[row].any())
+
+    def mask(self, logits: torch.Tensor, seq_ids: Sequence[int], inplace: bool = False,
+             dead: dict[int, str] | None = None) -> torch.Tensor:
+        """``logits [N, V]`` (row i: sequence ``seq_ids[i]``) with every structured row masked: in place, or in a
+        copy when the caller still needs the raw rows (log-probabilities are the model's, unmasked). A row whose
+        grammar allows no token is left unmasked and its sequence's error is put in ``dead`` (the caller must
+        not sample it)."""
+        rows = [(i, s) for i, s in enumerate(seq_ids) if s in self.matchers and not self.matchers[s].is_terminated()]
+        if not rows:
             return logits
         xgr = import_xgrammar()
         bitmask = self._buffer(logits.shape[0], logits.shape[-1])
-        for row, matcher in filled:
-            matcher.fill_next_token_bitmask(bitmask, row)
+        masked_rows = []
+        for row, seq_id in rows:
+            if self._fill(bitmask, row, seq_id):
+                masked_rows.append(row)
+            elif dead is not None:
+                dead[seq_id] = self.dead_end(seq_id)
+        if not masked_rows:
+            return logits
         masked = logits if inplace else logits.clone()
-        xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=logits.shape[-1],
-                                        indices=[row for row, _ in filled])
+        xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=logits.shape[-1], indices=masked_rows)
         return masked
 
-    def mask(self, logits: torch.Tensor, seq_ids: Sequence[int], inplace: bool = False) -> torch.Tensor:
-        """``logits [N, V]`` (row i: sequence ``seq_ids[i]``) with every structured row masked: in place, or in a
-        copy when the caller still needs the raw rows (log-probabilities are the model's, unmasked)."""
-        filled = [(i, self.matchers[s]) for i, s in enumerate(seq_ids)
-                  if s in self.matchers and not self.matchers[s].is_terminated()]
-        return self._apply(logits, filled, inplace)
-
-    def mask_verify(self, logits: torch.Tensor, seq_ids: Sequence[int], drafts: Sequence[list[int]]) -> torch.Tensor:
+    def mask_verify(self, logits: torch.Tensor, seq_ids: Sequence[int], drafts: Sequence[list[int]],
+                    dead: dict[int, int] | None = None) -> torch.Tensor:
         """Speculative verification: ``logits`` holds ``len(draft) + 1`` rows per sequence; each row is masked
         as if the drafts before it were accepted. Rows after a draft the grammar refuses stay unmasked: that
-        draft is masked out at its own row, so verification rejects it and never reads them."""
+        draft is masked out at its own row, so verification rejects it and never reads them. A row where the
+        grammar allows no token stays unmasked and is put in ``dead`` (sequence id -> its position among the
+        sequence's rows): a token verified there must not be kept (the sequence fails with :meth:`dead_end`)."""
         bitmask = self._buffer(logits.shape[0], logits.shape[-1])
         rows: list[int] = []
         offset = 0
         for seq_id, draft in zip(seq_ids, drafts):
             matcher = self.matchers.get(seq_id)
             if matcher is not None and not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(bitmask, offset)
-                rows.append(offset)
                 walked = 0
-                for token in draft:
-                    if not matcher.accept_token(token):
+                while True:  # fill the row after `walked` accepted drafts, then walk one more draft
+                    if not self._fill(bitmask, offset + walked, seq_id):
+                        if dead is not None:
+                            dead[seq_id] = walked
+                        break  # no later row can be read: verification stops here at the latest
+                    rows.append(offset + walked)
+                    if walked == len(draft) or not matcher.accept_token(draft[walked]):
                         break
                     walked += 1
                     if matcher.is_terminated():
                         break
-                    matcher.fill_next_token_bitmask(bitmask, offset + walked)
-                    rows.append(offset + walked)
                 if walked:
                     matcher.rollback(walked)
             offset += len(draft) + 1
@@ -135,3 +175,8 @@ class StructuredMatchers:
         masked = logits.clone()
         import_xgrammar().apply_token_bitmask_inplace(masked, bitmask, vocab_size=logits.shape[-1], indices=rows)
         return masked
+
+
+def _bit(position: int) -> int:
+    """Bit ``position`` (0..31) of an int32 bitmask word, as a signed int32 value."""
+    return (1 << position) - (1 << 32) if position == 31 else 1 << position
