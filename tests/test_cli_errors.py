@@ -192,9 +192,44 @@ def test_request_workers_reach_the_server(monkeypatch):
     built = {}
     monkeypatch.setattr(cli, "_engine_loop", lambda args, max_num_seqs: (Loop(), None))
     monkeypatch.setattr(server, "build_app", lambda loop, served, **kw: built.update(kw) or "app")
-    monkeypatch.setattr(server, "run_server", lambda app, host, port, log_level: built.update(ran=app))
+    monkeypatch.setattr(server, "run_server", lambda app, host, port, log_level, **kw: built.update(ran=app) or 0)
     assert main(["serve", "--port", "0", "--request-workers", "5"]) == 0
     assert built == {"api_key": None, "request_workers": 5, "ran": "app"}
     assert main(["serve", "--port", "0"]) == 0
     assert built["request_workers"] == 2  # build_app's default
     assert server.DEFAULT_REQUEST_WORKERS == 2
+
+
+# -- serve --exit-on-engine-failure ---------------------------------------------------------------------------
+
+
+def test_exit_on_engine_failure_reaches_the_server_and_its_status_is_the_exit_code(monkeypatch):
+    from hf_paged.serving import server
+
+    class Loop:
+        max_model_len = 64
+
+        def shutdown(self) -> None:
+            pass
+
+    loop, ran = Loop(), []
+    monkeypatch.setattr(cli, "_engine_loop", lambda args, max_num_seqs: (loop, None))
+    monkeypatch.setattr(server, "build_app", lambda loop, served, **kw: "app")
+
+    def run_server(app, host, port, log_level, *, engine, exit_grace_s):
+        ran.append((engine, exit_grace_s))
+        return 1 if exit_grace_s is not None else 0  # as after an engine failure, when it watches for one
+
+    monkeypatch.setattr(server, "run_server", run_server)
+    assert main(["serve", "--port", "0"]) == 1  # on by default: the failed server exits non-zero
+    assert main(["serve", "--port", "0", "--exit-grace-seconds", "0.5"]) == 1
+    assert main(["serve", "--port", "0", "--no-exit-on-engine-failure"]) == 0
+    assert ran == [(loop, 5.0), (loop, 0.5), (loop, None)]
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "inf", "nan"])
+def test_exit_grace_seconds_must_be_a_finite_number_at_least_zero(value, capsys, no_loading):
+    assert main(["serve", "--exit-grace-seconds", value, "--port", "0"]) == 2
+    err = one_error_line(capsys)
+    assert err.startswith("hf-paged: error: argument --exit-grace-seconds: must be a "), err
+    assert repr(value) in err, err

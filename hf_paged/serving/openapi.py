@@ -249,7 +249,8 @@ def _schemas() -> dict[str, dict]:
                                "max_model_len": {"type": "integer"}},
             }}},
         },
-        "Health": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
+        "Health": {"type": "object", "required": ["status"], "properties": {
+            "status": {"type": "string"}, "error": {"type": "string", "description": "Why the engine failed."}}},
     }
 
 
@@ -259,7 +260,8 @@ ERRORS = {
     404: "An unknown model (code model_not_found).",
     413: "A body larger than the server's limit.",
     500: "The engine failed the request.",
-    503: "No room in the waiting queue (code queue_full), or the engine is shut down; retry later.",
+    503: "No room in the waiting queue (code queue_full), the engine is shut down (engine_closed) or failed for good "
+         "(engine_failed: the server exits, its supervisor restarts it); retry later.",
 }
 
 
@@ -293,7 +295,8 @@ def operations(served: ServedModel, api_key: bool = False) -> dict[tuple[str, st
               **({"security": [{"bearer": []}]} if api_key else {})}
     health = {"summary": "Liveness of the engine loop", "responses": {
         "200": {"description": "The engine loop runs.", "content": {JSON: {"schema": _ref("Health")}}},
-        "503": {"description": "The engine loop is stopped.", "content": {JSON: {"schema": _ref("Health")}}}}}
+        "503": {"description": "The engine loop is stopped, or the engine failed for good (error says why).",
+                "content": {JSON: {"schema": _ref("Health")}}}}}
     metrics = {"summary": "Prometheus metrics", "responses": {
         "200": {"description": "The Prometheus text format.",
                 "content": {"text/plain": {"schema": {"type": "string"}}}},

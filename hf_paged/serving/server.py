@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 from hf_paged.outputs import RequestOutput
 from hf_paged.serving.common import WorkerPool
-from hf_paged.serving.engine_loop import AsyncPagedEngine, EngineClosedError, QueueFullError
+from hf_paged.serving.engine_loop import AsyncPagedEngine, EngineClosedError, EngineFailedError, QueueFullError
 from hf_paged.serving.http_runner import BackgroundServer, run_server  # noqa: F401 - served from here too
 from hf_paged.serving.openapi import install_openapi
 from hf_paged.serving.protocol import APIError, ParsedRequest, ServedModel, check_depth, parse_chat, parse_completion
@@ -142,6 +142,8 @@ def build_app(
             return engine.add_requests(parsed.prompts, parsed.params, ids, parsed.priority)
         except QueueFullError as e:
             raise APIError(str(e), 503, type="server_overloaded", code="queue_full") from e
+        except EngineFailedError as e:
+            raise APIError(str(e), 503, type="server_error", code="engine_failed") from e
         except EngineClosedError as e:
             raise APIError(str(e), 503, type="server_error", code="engine_closed") from e
         except (ValueError, TypeError) as e:  # the engine's own checks: name the field its message names
@@ -310,6 +312,9 @@ def build_app(
 
     @app.get("/health")
     async def health():
+        failure = engine.failure
+        if failure is not None:  # for good: the server exits (hf-paged serve) or its supervisor replaces it
+            return JSONResponse({"status": "engine failed", "error": failure}, status_code=503)
         if not engine.is_running:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
