@@ -20,7 +20,7 @@ from hf_paged.serving.common import WorkerPool
 from hf_paged.serving.engine_loop import AsyncPagedEngine, EngineClosedError, EngineFailedError, QueueFullError
 from hf_paged.serving.http_runner import BackgroundServer, run_server  # noqa: F401 - served from here too
 from hf_paged.serving.openapi import install_openapi
-from hf_paged.serving.protocol import APIError, ParsedRequest, ServedModel, check_depth, parse_chat, parse_completion
+from hf_paged.serving.protocol import APIError, ParsedRequest, ServedModel, check_body, parse_chat, parse_completion
 from hf_paged.serving.responses import chat_logprobs, completion_logprobs, new_id, usage
 from hf_paged.serving.structured import compile_grammar
 from hf_paged.serving.stream import RequestStream
@@ -132,7 +132,7 @@ def build_app(
             raise APIError("the request body is nested too deeply to parse", param="body") from e
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(f"the request body is not valid JSON: {e}", param="body") from e
-        check_depth(body)
+        check_body(body)
         return body
 
     def submit(parsed: ParsedRequest, rid: str) -> list[RequestStream]:
