@@ -90,8 +90,12 @@ def cmd_env(args) -> int:
 
 def cmd_bench(args) -> int:
     from hf_paged.bench import WORKLOADS
+    from hf_paged.bench.systems import parse_systems
 
-    systems = set(args.systems.split(",")) if args.systems else None
+    try:
+        systems = parse_systems(args.workload, args.systems)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     extra = {}
     if args.kv_cache_dtype != "auto":
         if args.workload not in ("chat", "latency"):

@@ -136,6 +136,14 @@ def test_batch_rejects_a_role_the_server_rejects(tmp_path, capsys, no_loading):
     assert f"{data}:1: messages[0].content must be a string" in one_error_line(capsys)
 
 
+def test_batch_names_a_message_that_is_not_valid_unicode(tmp_path, capsys, no_loading):
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi \\ud800"}]}\n')  # JSON allows the escape
+    assert main(["batch", str(data)]) == 2
+    err = one_error_line(capsys)
+    assert f"{data}:1: messages[0].content is not valid Unicode: it holds a lone surrogate" in err, err
+
+
 def test_batch_reads_the_servers_message_shapes():
     data = [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
@@ -233,3 +241,40 @@ def test_exit_grace_seconds_must_be_a_finite_number_at_least_zero(value, capsys,
     err = one_error_line(capsys)
     assert err.startswith("hf-paged: error: argument --exit-grace-seconds: must be a "), err
     assert repr(value) in err, err
+
+
+# -- bench --systems ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_running(monkeypatch):
+    """Record the workload a bench command would run, instead of running it."""
+    from hf_paged.bench import workloads
+
+    ran = []
+    for name in workloads.WORKLOADS:
+        monkeypatch.setitem(workloads.WORKLOADS, name, lambda name=name, **kw: ran.append((name, kw["systems"])))
+    return ran
+
+
+def test_bench_systems_must_be_the_workloads_own(capsys, no_running):
+    from hf_paged.bench.systems import system_names
+
+    known = system_names()
+    bench = next(p for p in _parsers(cli.build_parser()) if p.prog == "hf-paged bench")
+    choices = next(a for a in bench._actions if a.dest == "workload").choices
+    for workload in choices:
+        if workload not in known:  # runs a fixed set: --systems is refused, naming the workloads that take it
+            assert main(["bench", workload, "--systems", "x"]) == 2
+            assert f"--systems does not apply to the {workload} workload" in one_error_line(capsys)
+            continue
+        valid = known[workload]
+        for bad in ("nope", f"{valid[0]},nope", ","):
+            assert main(["bench", workload, "--systems", bad]) == 2
+            err = one_error_line(capsys)
+            assert f"for the {workload} workload; valid: {', '.join(valid)}" in err, err
+        assert main(["bench", workload, "--systems", f" {valid[-1]}, {valid[0]}"]) == 0
+    assert not [r for r in no_running if r[1] is None]
+    assert no_running == [(w, {known[w][-1], known[w][0]}) for w in choices if w in known]
+    assert main(["bench", "chat"]) == 0 and no_running[-1] == ("chat", None)  # no --systems: its default set
+    assert {"tp2", "int4-a8", "eager", "padded"} <= set(known["chat"]) and set(known["replicas"]) == {"pow2", "prefix"}
