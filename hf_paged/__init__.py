@@ -20,6 +20,7 @@ _EXPORTS = {
     "CompletionOutput": "hf_paged.outputs",
     "EngineConfig": "hf_paged.config",
     "EngineClosedError": "hf_paged.serving.engine_loop",
+    "EngineFailedError": "hf_paged.serving.engine_loop",
     "EngineStats": "hf_paged.outputs",
     "PagedCache": "hf_paged.cache",
     "PagedGenerator": "hf_paged.generator",

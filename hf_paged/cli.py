@@ -15,7 +15,8 @@ import time
 
 from hf_paged.cli_engine import build_engine
 from hf_paged.cli_checks import (  # noqa: F401 - _chat_messages re-exported
-    UsageError, _chat_messages, check_model_folder, check_port, read_conversations,
+    UsageError, _chat_messages, _non_negative_float, _non_negative_int, _positive_int, check_model_folder, check_port,
+    read_conversations,
 )
 
 
@@ -89,8 +90,12 @@ def cmd_env(args) -> int:
 
 def cmd_bench(args) -> int:
     from hf_paged.bench import WORKLOADS
+    from hf_paged.bench.systems import parse_systems
 
-    systems = set(args.systems.split(",")) if args.systems else None
+    try:
+        systems = parse_systems(args.workload, args.systems)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     extra = {}
     if args.kv_cache_dtype != "auto":
         if args.workload not in ("chat", "latency"):
@@ -166,11 +171,12 @@ def cmd_serve(args) -> int:
     print(f"hf-paged serve: {name} on http://{args.host}:{args.port}/v1 "
           f"(max_num_seqs={args.max_num_seqs}, max_model_len={loop.max_model_len}"
           f"{', API key required' if api_key else ''})", flush=True)
+    grace = args.exit_grace_seconds if args.exit_on_engine_failure else None
     try:
-        run_server(app, args.host, args.port, log_level="info" if args.verbose else "warning")
+        return run_server(app, args.host, args.port, log_level="info" if args.verbose else "warning", engine=loop,
+                          exit_grace_s=grace)
     finally:
         loop.shutdown()
-    return 0
 
 
 def cmd_chat(args) -> int:
@@ -205,27 +211,6 @@ def _speculative_config(text: str) -> dict:
         SpeculativeConfig.from_value(value)
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from e
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-
-
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -344,6 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=_positive_int, help="longest prompt + answer (default: the model's)")
     serve.add_argument("--request-workers", type=_positive_int, default=2,
                        help="threads that parse, chat-template and tokenize request bodies off the event loop")
+    serve.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
+                       help="once the engine fails for good (e.g. a tensor-parallel worker died; /health answers "
+                       "503), exit with status 1 after --exit-grace-seconds, so that a supervisor restarts the "
+                       "server")
+    serve.add_argument("--exit-grace-seconds", type=_non_negative_float, default=5.0,
+                       help="how long a failed server keeps answering 503s before it exits")
     from hf_paged.cli_replicas import add_replica_args
 
     add_replica_args(serve, _positive_int)

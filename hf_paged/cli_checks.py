@@ -1,8 +1,9 @@
 """The ``hf-paged`` command line's input checks, made before any model loads: the model folder, a conversations
-file, the server's host and port. Each failure is a :class:`UsageError` (one line, exit code 2)."""
+file, the server's host and port, numbers. Each failure is a :class:`UsageError` (one line, exit code 2)."""
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import os
@@ -94,3 +95,35 @@ def check_port(host: str, port: int) -> None:
             raise UsageError(f"--port {port}: not allowed to listen on {host}:{port} ({e.strerror}); "
                              "ports below 1024 need privileges") from e
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+
+
+# -- argparse types: a bad value is one line, exit code 2 ----------------------------------------------------
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value

@@ -304,7 +304,8 @@ class PagedGenerator(GeneratorClients):
         self._drop_stale_prefix_cache()
         out = self.scheduler.schedule()
         if out.is_empty:
-            self.executor.execute_model(out)  # drops the finished sequences' state
+            if self.executor.failure is None:  # a failed executor holds no state to drop
+                self.executor.execute_model(out)  # drops the finished sequences' state
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")
             return []
@@ -313,8 +314,10 @@ class PagedGenerator(GeneratorClients):
             result = self.executor.execute_model(out)
             self.scheduler.observe_step(out, time.perf_counter() - started)
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep the engine usable
+            if self.executor.failure is not None:  # failed for good: it logged why, once; one short line will do
+                return self._fail_step(out, f"engine failed: {self.executor.failure}")
             logger.exception("engine step failed; failing the %d sequences it ran", len(out.scheduled))
-            return self._fail_step(out, e)
+            return self._fail_step(out, f"engine step failed: {type(e).__name__}: {e}")
         # one way: the beam searches and stop strings decide from the step's results; the scheduler applies it
         beams = []
         for search in list(self._beam_searches):
@@ -352,8 +355,7 @@ class PagedGenerator(GeneratorClients):
                 self.executor.weights_changed()
             self._weights_seen = version
 
-    def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
-        message = f"engine step failed: {type(error).__name__}: {error}"
+    def _fail_step(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
         failed = []
         for seq_id in [s.seq_id for s in out.scheduled] + out.preempted_seq_ids + out.swapped_in_seq_ids:
             request = self.scheduler.sequences.get(seq_id)
@@ -372,6 +374,16 @@ class PagedGenerator(GeneratorClients):
         """A snapshot of queues, KV usage, prefix-cache and preemption counters."""
         with self._lock:
             return EngineStats.collect(self.scheduler, self.kv_manager, self.outputs.num_finished, self.num_steps)
+
+    @property
+    def failure(self) -> str | None:
+        """Why no step can run any more (a tensor-parallel rank died), in one short line; None while steps can."""
+        return self.executor.failure
+
+    def check_health(self) -> str | None:
+        """Look for an executor failure between steps (a dead tensor-parallel worker); return :attr:`failure`."""
+        with self._lock:
+            return self.executor.check_health() if not self._closed else self.executor.failure
 
     def _check_usable(self) -> None:
         if self._closed:

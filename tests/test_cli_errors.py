@@ -136,6 +136,14 @@ def test_batch_rejects_a_role_the_server_rejects(tmp_path, capsys, no_loading):
     assert f"{data}:1: messages[0].content must be a string" in one_error_line(capsys)
 
 
+def test_batch_names_a_message_that_is_not_valid_unicode(tmp_path, capsys, no_loading):
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi \\ud800"}]}\n')  # JSON allows the escape
+    assert main(["batch", str(data)]) == 2
+    err = one_error_line(capsys)
+    assert f"{data}:1: messages[0].content is not valid Unicode: it holds a lone surrogate" in err, err
+
+
 def test_batch_reads_the_servers_message_shapes():
     data = [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
@@ -192,9 +200,81 @@ def test_request_workers_reach_the_server(monkeypatch):
     built = {}
     monkeypatch.setattr(cli, "_engine_loop", lambda args, max_num_seqs: (Loop(), None))
     monkeypatch.setattr(server, "build_app", lambda loop, served, **kw: built.update(kw) or "app")
-    monkeypatch.setattr(server, "run_server", lambda app, host, port, log_level: built.update(ran=app))
+    monkeypatch.setattr(server, "run_server", lambda app, host, port, log_level, **kw: built.update(ran=app) or 0)
     assert main(["serve", "--port", "0", "--request-workers", "5"]) == 0
     assert built == {"api_key": None, "request_workers": 5, "ran": "app"}
     assert main(["serve", "--port", "0"]) == 0
     assert built["request_workers"] == 2  # build_app's default
     assert server.DEFAULT_REQUEST_WORKERS == 2
+
+
+# -- serve --exit-on-engine-failure ---------------------------------------------------------------------------
+
+
+def test_exit_on_engine_failure_reaches_the_server_and_its_status_is_the_exit_code(monkeypatch):
+    from hf_paged.serving import server
+
+    class Loop:
+        max_model_len = 64
+
+        def shutdown(self) -> None:
+            pass
+
+    loop, ran = Loop(), []
+    monkeypatch.setattr(cli, "_engine_loop", lambda args, max_num_seqs: (loop, None))
+    monkeypatch.setattr(server, "build_app", lambda loop, served, **kw: "app")
+
+    def run_server(app, host, port, log_level, *, engine, exit_grace_s):
+        ran.append((engine, exit_grace_s))
+        return 1 if exit_grace_s is not None else 0  # as after an engine failure, when it watches for one
+
+    monkeypatch.setattr(server, "run_server", run_server)
+    assert main(["serve", "--port", "0"]) == 1  # on by default: the failed server exits non-zero
+    assert main(["serve", "--port", "0", "--exit-grace-seconds", "0.5"]) == 1
+    assert main(["serve", "--port", "0", "--no-exit-on-engine-failure"]) == 0
+    assert ran == [(loop, 5.0), (loop, 0.5), (loop, None)]
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "inf", "nan"])
+def test_exit_grace_seconds_must_be_a_finite_number_at_least_zero(value, capsys, no_loading):
+    assert main(["serve", "--exit-grace-seconds", value, "--port", "0"]) == 2
+    err = one_error_line(capsys)
+    assert err.startswith("hf-paged: error: argument --exit-grace-seconds: must be a "), err
+    assert repr(value) in err, err
+
+
+# -- bench --systems ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_running(monkeypatch):
+    """Record the workload a bench command would run, instead of running it."""
+    from hf_paged.bench import workloads
+
+    ran = []
+    for name in workloads.WORKLOADS:
+        monkeypatch.setitem(workloads.WORKLOADS, name, lambda name=name, **kw: ran.append((name, kw["systems"])))
+    return ran
+
+
+def test_bench_systems_must_be_the_workloads_own(capsys, no_running):
+    from hf_paged.bench.systems import system_names
+
+    known = system_names()
+    bench = next(p for p in _parsers(cli.build_parser()) if p.prog == "hf-paged bench")
+    choices = next(a for a in bench._actions if a.dest == "workload").choices
+    for workload in choices:
+        if workload not in known:  # runs a fixed set: --systems is refused, naming the workloads that take it
+            assert main(["bench", workload, "--systems", "x"]) == 2
+            assert f"--systems does not apply to the {workload} workload" in one_error_line(capsys)
+            continue
+        valid = known[workload]
+        for bad in ("nope", f"{valid[0]},nope", ","):
+            assert main(["bench", workload, "--systems", bad]) == 2
+            err = one_error_line(capsys)
+            assert f"for the {workload} workload; valid: {', '.join(valid)}" in err, err
+        assert main(["bench", workload, "--systems", f" {valid[-1]}, {valid[0]}"]) == 0
+    assert not [r for r in no_running if r[1] is None]
+    assert no_running == [(w, {known[w][-1], known[w][0]}) for w in choices if w in known]
+    assert main(["bench", "chat"]) == 0 and no_running[-1] == ("chat", None)  # no --systems: its default set
+    assert {"tp2", "int4-a8", "eager", "padded"} <= set(known["chat"]) and set(known["replicas"]) == {"pow2", "prefix"}

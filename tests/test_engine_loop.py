@@ -221,7 +221,7 @@ def test_add_requests_is_all_or_none_and_a_repeated_abort_counts_once(model, pro
         with pytest.raises(ValueError, match="never fit"):
             loop.add_requests(prompts[:4], GREEDY)
         assert loop.num_live_requests == 1  # nothing of a refused batch was queued
-        assert loop.num_rejected == {"queue_full": 3, "engine_closed": 0}
+        assert loop.num_rejected == {"queue_full": 3, "engine_closed": 0, "engine_failed": 0}
         # the same abort twice before the loop drains either: one abort, which the observers see
         assert loop.abort("first") and loop.abort("first")
         block.set()
@@ -234,7 +234,7 @@ def test_add_requests_is_all_or_none_and_a_repeated_abort_counts_once(model, pro
         loop.shutdown()
     with pytest.raises(EngineClosedError):
         loop.add_requests(prompts[:2], GREEDY)
-    assert loop.num_rejected == {"queue_full": 3, "engine_closed": 2}
+    assert loop.num_rejected == {"queue_full": 3, "engine_closed": 2, "engine_failed": 0}
     assert loop.num_finished_by_reason["abort"] == 1
 
 

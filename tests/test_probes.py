@@ -1,5 +1,6 @@
 """Fast paths are probed, not assumed: each probe's failure is forced and the fallback keeps exact parity."""
 
+import logging
 import os
 import stat
 
@@ -164,3 +165,31 @@ def test_env_reports_versions_features_and_kernel_choices(capsys, monkeypatch):
     else:  # the mode's fallback, with the probe's reason
         assert quant["bf16"].startswith("the float kernel instead: RuntimeError: this CPU (or its OS) has no AMX-BF16")
     assert "quantized linears, bf16 activations: " in text
+
+
+def test_env_prints_no_fallback_warning_before_its_report(capsys, caplog, monkeypatch):
+    """A quantized-linear mode that falls back here (bf16 without AMX) is a line of the report, not a warning
+    printed above it; a layer that then runs in that mode still warns, once."""
+    from hf_paged.cli import main
+    from hf_paged.cpu import quant_linear as ql
+
+    def no_amx(dtype):
+        raise RuntimeError("no AMX-BF16 tiles here (test)")
+
+    monkeypatch.setitem(probes._PROBES, "linear.quant_bf16", no_amx)
+    monkeypatch.setattr(ql, "_warned", set())
+    probes.reset("linear.quant_bf16")
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert main(["env"]) == 0
+            out, err = capsys.readouterr()
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+            assert err == ""
+            assert ("quantized linears, bf16 activations: the float kernel instead: RuntimeError: no AMX-BF16 tiles "
+                    "here (test)") in out
+            assert ql.kernel("bf16")[1] == "float"  # a layer in bf16 mode: warned now, once
+            ql.kernel("bf16")
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warned) == 1 and "bf16 activations: float activations instead" in warned[0], warned
+    finally:
+        probes.reset("linear.quant_bf16")

@@ -215,9 +215,13 @@ def test_quantize_model_for_good_drops_the_float_weights():
     for m in model.modules():
         if isinstance(m, QuantLinear):
             m.activations = "int8"
-    with pytest.raises(ValueError, match="no CPU nn.Linear layer to quantize"):
-        hf_paged.quantize_model(model, "int8")
+    layers = sum(isinstance(m, QuantLinear) for m in model.modules())
+    with pytest.raises(ValueError, match=rf"quantize_model: the model is already quantized \({layers} quantized "
+                                         r"linear layers, q4_1, q8_0\) and has no float nn.Linear layer left"):
+        hf_paged.quantize_model(model, "int8")  # run twice: says so, not "no nn.Linear layer"
     assert {m.activations for m in model.modules() if isinstance(m, QuantLinear)} == {"int8"}  # left as they were
+    with pytest.raises(ValueError, match="quantization='int8': the model has no CPU nn.Linear layer to quantize"):
+        hf_paged.quantize_model(torch.nn.Sequential(torch.nn.ReLU()), "int8")  # never had one
     tied = copy.deepcopy(make_model(seed=9, tie_word_embeddings=True))
     hf_paged.quantize_model(tied, "int8")
     assert tied.config.tie_word_embeddings is False and tied.lm_head.fmt == "q8_0"

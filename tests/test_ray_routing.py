@@ -144,15 +144,18 @@ def test_builder_refuses_bad_arguments():
         build_application(spec, 1, autoscaling_config={"min_replicas": 1, "max_replicas": 4, "initial_replicas": 9})
 
 
-def test_a_replica_whose_engine_loop_stopped_fails_its_health_check():
+def test_a_replica_whose_engine_loop_stopped_or_failed_fails_its_health_check():
     from types import SimpleNamespace
 
     from hf_paged.serving.ray_app import EngineReplica
 
     replica = EngineReplica.__new__(EngineReplica)  # no Ray: only the check itself
     replica.replica_id = "r0"
-    replica.loop = SimpleNamespace(is_running=True, shutdown=lambda: None)
+    replica.loop = SimpleNamespace(is_running=True, failure=None, shutdown=lambda: None)
     replica.check_health()
     replica.loop.is_running = False
     with pytest.raises(RuntimeError, match="engine loop of replica r0 has stopped"):
+        replica.check_health()
+    replica.loop.failure = "engine failed: a tensor-parallel worker exited (rank 1, killed by SIGKILL)"
+    with pytest.raises(RuntimeError, match=r"replica r0: engine failed: a tensor-parallel worker exited \(rank 1"):
         replica.check_health()

@@ -125,6 +125,31 @@ def test_deeply_nested_json_is_a_400_and_the_connection_lives_on(server, caplog)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", '{"messages": [{"role": "system", "content": "Be brief."}, '
+                             '{"role": "user", "content": "hi TEXT there"}]}', "messages[1].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "TEXT"}]}]}',
+     "messages[0].content[0].text"),
+    ("/v1/completions", '{"prompt": ["fine", "lone TEXT"]}', "prompt[1]"),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["TEXT"]}', "stop[0]"),
+], ids=["message", "content_part", "prompt", "stop"])
+@pytest.mark.parametrize("lone", ["\\ud800", "\\udfff"], ids=["high", "low"])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, path, body, param, lone, caplog):
+    """JSON allows a lone surrogate escape ("\\ud800"); no text encoding does. It is refused with the field that
+    holds it, before the chat template or the tokenizer (which failed on it with their own internals, or a 500)."""
+    url, loop = server
+    caplog.set_level(logging.ERROR)
+    headers = {"content-type": "application/json"}
+    body = body[:-1] + ', "max_tokens": 2}'
+    with httpx.Client(base_url=url, timeout=60) as http:
+        err = error_of(http.post(path, content=body.replace("TEXT", lone), headers=headers), 400, param)
+        assert err["code"] == "invalid_unicode" and err["type"] == "invalid_request_error", err
+        assert err["message"].startswith(f"{param} is not valid Unicode: it holds a lone surrogate ('{lone}')"), err
+        ok = http.post(path, content=body.replace("TEXT", "\\ud83d\\ude00"), headers=headers)
+        assert ok.status_code == 200, ok.text  # a pair is one character (an emoji): fine
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 def test_more_prompts_than_the_queue_is_a_400_naming_the_cap(server):
     url, loop = server
     r = httpx.post(url + "/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2}, timeout=60)

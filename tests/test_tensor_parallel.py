@@ -5,6 +5,7 @@ Every engine here spawns one worker process (a few seconds each): the cases shar
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -365,3 +366,92 @@ def test_int8_kv_cache_under_tensor_parallelism():
         got[tp] = _tokens(engine.generate(prompts, GREEDY, use_tqdm=False))
         engine.close()
     assert got[2] == got[1]
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The tensor-parallel workers a process spawned (not multiprocessing's resource tracker)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    found = []
+    for child in map(int, out.split()):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            found.append(child)
+    return found
+
+
+def test_a_server_whose_worker_dies_says_so_and_exits_for_its_supervisor(tmp_path):
+    """``hf-paged serve --tensor-parallel-size 2`` with its worker rank killed: the request in flight ends with one
+    short line (no library paths), ``/health`` answers 503, new requests a short 503, the log holds no traceback,
+    and the process exits with status 1 after the grace period, so that a supervisor restarts it."""
+    import httpx
+
+    from tests.serving_helpers import TINY_NAME, default_tokenizer, tiny_chat_model
+
+    tokenizer = default_tokenizer()
+    folder = tmp_path / TINY_NAME
+    tiny_chat_model(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    grace = 4.0
+    cmd = [sys.executable, "-m", "hf_paged.cli", "serve", "--model", str(folder), "--tensor-parallel-size", "2",
+           "--port", str(port), "--max-num-seqs", "4", "--exit-grace-seconds", str(grace)]
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "HF_PAGED_TUNE": "0", "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "server.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        workers = _spawned_children(proc.pid)
+        assert len(workers) == 1, workers
+        body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Count to a thousand."}],
+                "max_tokens": 600, "ignore_eos": True, "temperature": 0, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if not events:  # generation is under way: kill the worker rank
+                    os.kill(workers[0], signal.SIGKILL)
+                events.append(line[6:])
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["message"].startswith("engine failed: a tensor-parallel worker exited (rank 1"), error
+        assert "/" not in error["message"] and ".cc" not in error["message"], error
+        failed_at = time.monotonic()
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "engine failed", health.text
+        later = httpx.post(url + "/v1/chat/completions", json={**body, "stream": False}, timeout=30)
+        assert later.status_code == 503 and later.json()["error"]["code"] == "engine_failed", later.text
+        assert later.json()["error"]["message"] == health.json()["error"] == error["message"]
+        assert proc.wait(grace + 30) == 1
+        assert time.monotonic() - failed_at >= grace / 2  # it answered for the grace period first
+        text = log.read_text()
+        assert "Traceback" not in text, text[-3000:]
+        assert text.count("engine failed: a tensor-parallel worker exited") == 2, text  # the loop's line, the exit's
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for pid in workers:
+            deadline = time.monotonic() + 10
+            while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not os.path.exists(f"/proc/{pid}"), "a worker outlived its server"

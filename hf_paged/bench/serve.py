@@ -22,6 +22,7 @@ from hf_paged.bench.common import load_chat_messages, machine_info
 from hf_paged.default_model import DEFAULT_MODEL_NAME
 
 DEFAULT_CLIENTS = (1, 16, 64)
+SYSTEMS = ("http", "generate")  # --systems: the server over HTTP, the same engine stepped in this process
 
 
 @dataclass
@@ -152,7 +153,7 @@ def serve(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None,
     max_tokens = max_tokens or 128
     conversations = load_chat_messages()
     counts = {n: min(len(conversations), num_requests or max(n, 16)) for n in levels}
-    want = systems or {"http", "generate"}
+    want = systems or set(SYSTEMS)
     http: dict[int, LevelResult] = {}
     if "http" in want:
         server = ServerProcess(dtype, max_num_seqs=max(levels))

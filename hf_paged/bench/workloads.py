@@ -21,6 +21,10 @@ TP2 = "tp2"  # --systems name of the engine with tensor_parallel_size=2 (chat)
 # --systems names of the engine on quantized weights (chat, latency); "-a8" / "-bf16": with int8 / bf16 activations
 QUANT_ACTIVATIONS = {"": "float", "a8": "int8", "bf16": "bf16"}
 QUANTIZED = tuple(f"{n}{'-' if a else ''}{a}" for n in ("gguf_q4_1", "int8", "int4") for a in QUANT_ACTIVATIONS)
+# --systems names of the workloads here, the default set of each (hf_paged.bench.systems adds the engine variants
+# above that chat and latency also take)
+SYSTEMS = {"chat": ("padded", "generate_batch", ENGINE), "mixed": ("static16", "generate_batch", ENGINE),
+           "latency": ("padded", ENGINE), "prefix": ("no_prefix_cache", "generate_batch", ENGINE)}
 
 
 def quantized_engine(name: str, dtype: str, model) -> tuple:
@@ -111,7 +115,7 @@ def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, 
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in messages]
     eos = {tok.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
     limits = [128] * len(prompts)
-    want = systems or {"padded", "generate_batch", ENGINE}
+    want = systems or set(SYSTEMS["chat"])
     results = []
     pad = tok.pad_token_id or 0
     _warm_hf(model, prompts, pad)
@@ -205,7 +209,7 @@ def mixed(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None,
     torch_dtype = parse_dtype(dtype)
     model = mixed_model(torch_dtype)
     prompts, limits = mixed_requests()
-    want = systems or {"static16", "generate_batch", ENGINE}
+    want = systems or set(SYSTEMS["mixed"])
     results = []
     _warm_hf(model, prompts, 0)
     hf_waste = None
@@ -251,7 +255,7 @@ def latency(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = Non
     model, tok = load_default(parse_dtype(dtype))
     text = " ".join(m[0]["content"] for m in load_chat_messages())
     prompt = tok(text)["input_ids"][:128]
-    want = systems or {"padded", ENGINE}
+    want = systems or set(SYSTEMS["latency"])
     results = []
     _warm_hf(model, [prompt, prompt], tok.pad_token_id or 0)
     if "padded" in want:
@@ -276,7 +280,7 @@ def prefix(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None
     model = mixed_model(parse_dtype(dtype))
     prompts = prefix_requests()
     limits = [32] * len(prompts)
-    want = systems or {"no_prefix_cache", "generate_batch", ENGINE}
+    want = systems or set(SYSTEMS["prefix"])
     results = []
     _warm_hf(model, prompts, 0)
     if "generate_batch" in want:

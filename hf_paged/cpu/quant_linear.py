@@ -164,10 +164,14 @@ def kernel(activations: str) -> tuple:
 
 def describe_modes() -> dict[str, str]:
     """Per kernel mode, which kernel its quantized linears run here and, where it is not the mode's own, why (for
-    ``hf-paged env``)."""
+    ``hf-paged env``). It reads the probes, as :func:`kernel` does, but warns nothing: it says so itself."""
+
+    def passes(mode: str) -> bool:
+        return probes.probe(_PATHS[mode][0], torch.float32).ok
+
     out = {}
     for mode in ACTIVATIONS:
-        _, got = kernel(mode)
+        got = mode if passes(mode) else "float" if mode != "float" and passes("float") else None
         if got == mode:
             out[mode] = f"C kernel ({_PATHS[mode][1].source.name})"
             continue

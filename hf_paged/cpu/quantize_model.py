@@ -107,8 +107,8 @@ def quantize_model(model: torch.nn.Module, quantization: str, *, lm_head: bool =
         lm_head: Quantize the LM head too, as q8_0.
 
     Raises:
-        ValueError: an unknown ``quantization``; a model an engine holds (close it first); a model with no CPU
-            ``nn.Linear`` to quantize.
+        ValueError: an unknown ``quantization``; a model an engine holds (close it first); a model already
+            quantized (by an earlier call, or from a GGUF file); a model with no CPU ``nn.Linear`` to quantize.
     """
     from hf_paged import model_patches
 
@@ -121,6 +121,11 @@ def quantize_model(model: torch.nn.Module, quantization: str, *, lm_head: bool =
     for layer, mode in swapped._modes:  # quantized layers it found (a GGUF model's) keep their mode
         layer.activations = mode
     if not swapped._swapped:
+        done = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        if done:  # quantize_model ran already (or the model came quantized, from a GGUF file)
+            formats = ", ".join(sorted({m.fmt for m in done}))
+            raise ValueError(f"quantize_model: the model is already quantized ({len(done)} quantized linear "
+                             f"layers, {formats}) and has no float nn.Linear layer left; quantize the float model")
         raise ValueError(f"quantization={quantization!r}: the model has no CPU nn.Linear layer to quantize")
     if any(original is head for _, _, original in swapped._swapped) and getattr(model, "config", None) is not None:
         model.config.tie_word_embeddings = False  # the head is its own q8_0 bytes now: tie_weights() must not re-tie

@@ -39,6 +39,14 @@ class Executor(abc.ABC):
     max_model_len: int
     num_blocks: int
     num_host_blocks: int
+    # Why this executor can run no more steps, in one short line for clients (no library paths), or None while
+    # it can. Set once, for good (a tensor-parallel group whose rank died); every later step raises.
+    failure: str | None = None
+
+    def check_health(self) -> str | None:
+        """Look for a failure between steps (cheap: a tensor-parallel group checks its worker processes) and
+        return :attr:`failure`."""
+        return self.failure
 
     @abc.abstractmethod
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -11,8 +11,9 @@ environment), the processes torchrun started, possibly on several machines: rank
 :func:`run_worker`. The process group is ``init_process_group`` with gloo on CPU and NCCL on CUDA.
 
 Faults: a rank that dies or raises makes rank 0's next collective fail (or its liveness check, before each
-step); the executor then fails the step with a :class:`TensorParallelError` naming the rank, shuts every rank
-down, and fails every later step at once. A worker whose rank 0 dies gets a connection error and exits; the
+step or in :meth:`~TensorParallelExecutor.check_health`); the executor then logs the details once, sets its
+``failure`` (one short line for clients: which rank exited, and how), fails the step with a
+:class:`TensorParallelError`, shuts every rank down, and fails every later step at once. A worker whose rank 0 dies gets a connection error and exits; the
 workers the engine spawns also die with their parent (Linux ``PR_SET_PDEATHSIG``).
 """
 
@@ -24,6 +25,8 @@ import datetime
 import logging
 import multiprocessing.connection
 import os
+import re
+import signal
 import time
 import traceback
 import weakref
@@ -283,17 +286,27 @@ class TensorParallelExecutor(Executor):
     # -- steps --------------------------------------------------------------------------------------
     def _check_alive(self) -> None:
         if self.failed is not None:
-            raise TensorParallelError(f"the tensor-parallel engine is shut down: {self.failed}")
+            raise TensorParallelError(f"the tensor-parallel engine is shut down: {self.failure}")
         for rank, proc in enumerate(self.processes, start=1):
             if not proc.is_alive():
-                self._fail(f"rank {rank} exited (exit code {proc.exitcode})")
+                how = _exit_text(proc.exitcode)
+                self._fail(f"a tensor-parallel worker exited (rank {rank}, {how})", f"rank {rank} exited ({how})")
 
-    def _fail(self, why: str, cause: BaseException | None = None):
+    def check_health(self) -> str | None:
+        if self.failed is None:
+            with contextlib.suppress(TensorParallelError):  # recorded in self.failure (and logged once)
+                self._check_alive()
+        return self.failure
+
+    def _fail(self, summary: str, why: str, cause: BaseException | None = None):
+        """The group cannot go on: log ``why`` (with what the workers reported) once, shut every rank down, and
+        raise. ``summary`` is the short line clients see (:attr:`failure`)."""
         reported = self._worker_errors()
         self.failed = f"{why}{'; ' + reported if reported else ''}"
+        self.failure = summary
         logger.error("tensor parallelism: %s; shutting every rank down", self.failed)
         self._shutdown(broadcast=False)
-        raise TensorParallelError(f"the tensor-parallel engine failed and is shut down: {self.failed}") from cause
+        raise TensorParallelError(f"the tensor-parallel engine failed and is shut down: {summary}") from cause
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._check_alive()
@@ -309,9 +322,10 @@ class TensorParallelExecutor(Executor):
             deadline = time.monotonic() + 2.0
             while self.processes and all(p.is_alive() for p in self.processes) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.processes, 1) if not p.is_alive()]
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            self._fail((f"{', '.join(dead)} died; " if dead else "") + f"a collective failed ({first[:160]})", e)
+            dead = [f"rank {r}, {_exit_text(p.exitcode)}" for r, p in enumerate(self.processes, 1) if not p.is_alive()]
+            summary = (f"a tensor-parallel worker exited ({'; '.join(dead)})" if dead
+                       else "a tensor-parallel collective failed")
+            self._fail(summary, f"{summary}: {_first_line(e)}", e)
 
     def add_proposer(self, key: str, spec) -> None:
         if spec.self_draft_layers is not None:
@@ -342,6 +356,21 @@ class TensorParallelExecutor(Executor):
         if self.failed is None and (self.processes or dist.is_initialized()):
             self._shutdown(broadcast=True)
         self._at_exit.detach()
+
+
+def _exit_text(code: int | None) -> str:
+    """How a worker process ended, in words: "killed by SIGKILL", "exit code 1"."""
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _first_line(error: BaseException) -> str:
+    """The first sentence of a collective's error without the library's source location (gloo starts its
+    messages with ``[/path/to/pair.cc:537]``), at most 160 characters."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0][:160]
 
 
 def make_executor(model, cfg: EngineConfig) -> Executor:

@@ -24,6 +24,11 @@ class EngineClosedError(RuntimeError):
     """The engine loop was shut down; no request can be added."""
 
 
+class EngineFailedError(EngineClosedError):
+    """The engine can serve no more requests: its executor failed for good (a tensor-parallel worker died) or
+    its loop stopped unexpectedly. The message is one short line saying why."""
+
+
 @dataclass
 class StepInfo:
     """What one step of the loop did, for observers such as the Prometheus metrics.

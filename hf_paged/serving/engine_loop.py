@@ -22,12 +22,15 @@ from hf_paged.generator import PagedGenerator, Prompt
 from hf_paged.outputs import EngineStats, RequestOutput
 from hf_paged.sequence import SequenceStatus
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.serving.common import EngineClosedError, QueueFullError, StepInfo, ThroughputWindow
+from hf_paged.serving.common import EngineClosedError, EngineFailedError, QueueFullError, StepInfo, ThroughputWindow
+from hf_paged.serving.loop_faults import LoopFaults
 from hf_paged.serving.stream import RequestStream
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncPagedEngine", "EngineClosedError", "QueueFullError", "StepInfo"]
+__all__ = ["AsyncPagedEngine", "EngineClosedError", "EngineFailedError", "QueueFullError", "StepInfo"]
+
+HEALTH_CHECK_PERIOD_S = 1.0  # an idle loop looks at the executor's health this often (a worker dying meanwhile)
 
 
 @dataclass
@@ -37,7 +40,7 @@ class _Submission:
     state: Any  # hf_paged.output_processor.RequestState
 
 
-class AsyncPagedEngine:
+class AsyncPagedEngine(LoopFaults):
     """Serve one :class:`~hf_paged.PagedGenerator` to many concurrent callers from a background thread.
 
     Args:
@@ -84,8 +87,12 @@ class AsyncPagedEngine:
         self._failures = 0
         # read by anyone (replaced, never mutated)
         self.num_finished_by_reason: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}
-        # requests refused when submitted (never queued, so never finished): a full queue, a shut-down loop
-        self.num_rejected: dict[str, int] = {"queue_full": 0, "engine_closed": 0}
+        # requests refused when submitted (never queued, so never finished): a full queue, a shut-down loop, a
+        # failed engine
+        self.num_rejected: dict[str, int] = {"queue_full": 0, "engine_closed": 0, "engine_failed": 0}
+        # None while the engine can serve; else one short line saying why it cannot (set once, for good)
+        self.failure: str | None = None
+        self._failed = threading.Event()
         self._throughput = ThroughputWindow()
         self.last_batch_size = 0
         self._thread = threading.Thread(target=self._run, name="hf-paged-engine-loop", daemon=True)
@@ -223,6 +230,9 @@ class AsyncPagedEngine:
         return self._throughput.rate(window)
 
     def _check_open(self, count: int = 0) -> None:
+        if self.failure is not None:
+            self._reject("engine_failed", count)
+            raise EngineFailedError(self.failure)
         if self._closing or self._stopped.is_set():
             self._reject("engine_closed", count)
             raise EngineClosedError("the engine loop is shut down; no request can be added")
@@ -268,7 +278,8 @@ class AsyncPagedEngine:
             while True:
                 with self._cond:
                     while not (self._inbox or self._aborts or self._calls or self._closing or self._has_work):
-                        self._cond.wait()
+                        if not self._cond.wait(HEALTH_CHECK_PERIOD_S) and self.failure is None:
+                            break  # idle for a while: look at the engine's health below
                     if self._closing:
                         break
                     inbox, self._inbox = self._inbox, deque()
@@ -284,17 +295,24 @@ class AsyncPagedEngine:
                     else:
                         with self._cond:  # nothing left to step (e.g. every admission failed): nothing waits
                             self._num_engine_waiting = len(self.engine.scheduler.waiting)
+                        self._check_engine()  # no request is live in the engine: there is nothing to fail
                         if self._ended:
                             now = time.time()
                             self._notify(StepInfo(now, now))
                     self._has_work = self.engine.has_unfinished_requests() or bool(self.engine._pending)
                 except Exception:  # noqa: BLE001 - the loop must survive anything; requests were failed already
                     logger.exception("engine loop iteration failed")
+        except BaseException as e:
+            self._set_failure(f"engine failed: the engine loop stopped ({type(e).__name__}: {e})")
+            raise
         finally:
             self._close_down()
 
     def _admit(self, inbox: deque[_Submission]) -> None:
         for sub in inbox:
+            if self.failure is not None:  # queued before the engine failed
+                self._end(sub.stream, "error", self.failure)
+                continue
             try:
                 with self.engine._lock:
                     self.engine._admit(sub.request, sub.state, queue_outputs=False)
@@ -327,6 +345,7 @@ class AsyncPagedEngine:
             self._failures = 0
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
             outputs = self._fail_after(e)
+        outputs += self._check_engine()
         end = time.time()
         sched = self.engine.scheduler
         with self._cond:  # before any stream sees this step: its reader may submit again at once
@@ -371,33 +390,6 @@ class AsyncPagedEngine:
             except Exception:  # noqa: BLE001 - an observer never breaks serving
                 logger.exception("engine loop observer %r failed", observer)
 
-    def _fail_after(self, error: Exception) -> list[RequestOutput]:
-        """``step()`` raised outside the forward: fail the requests that were running (all of them when none
-        was), so their callers get ``finish_reason="error"`` with the message, and go on."""
-        self._failures += 1
-        logger.exception("engine step failed; failing the requests it was running")
-        message = f"engine step failed: {type(error).__name__}: {error}"
-        engine = self.engine
-        states = [s for rid, s in list(engine.outputs.requests.items()) if rid in self._streams]
-        running = [s.request_id for s in states
-                   if any(q.status not in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED) for q in s.seqs.values())]
-        victims = running or [s.request_id for s in states]
-        try:
-            outputs = engine.fail_requests(victims, message)
-        except Exception:  # noqa: BLE001 - the engine is in a bad way: end the streams here
-            logger.exception("failing the requests of a failed step failed too")
-            outputs = []
-            for rid in victims:
-                try:
-                    engine.abort(rid)
-                except Exception:  # noqa: BLE001
-                    pass
-                if rid in self._streams:
-                    self._end(self._streams[rid], "error", message)
-        if self._failures > 2:
-            time.sleep(min(1.0, 0.01 * 2 ** self._failures))  # a persistent failure must not spin
-        return outputs
-
     def _end(self, stream: RequestStream, reason: str, error: str | None = None) -> None:
         """Finish a stream the engine will not report on."""
         stream.finish(reason, error)
@@ -412,38 +404,3 @@ class AsyncPagedEngine:
             if c.finish_reason in counts:
                 counts[c.finish_reason] += 1
         self.num_finished_by_reason = counts
-
-    def _close_down(self) -> None:
-        """On the loop thread: end every stream (abort), free the engine, fail pending calls."""
-        with self._cond:
-            self._closing = True
-            inbox, self._inbox = self._inbox, deque()
-            calls, self._calls = self._calls, deque()
-        for sub in inbox:  # never admitted
-            self._end(sub.stream, "abort", "the engine was shut down")
-        engine = self.engine
-        outputs: list[RequestOutput] = []
-        try:
-            for rid in list(self._streams):
-                engine.abort(rid)
-            if engine._pending:
-                outputs = engine.step()
-        except Exception:  # noqa: BLE001 - fall back to ending the streams here
-            logger.exception("aborting the requests in flight at shutdown failed")
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put(out)
-                if out.finished:
-                    self._forget(stream, out)
-        for stream in list(self._streams.values()):
-            self._end(stream, "abort", "the engine was shut down")
-        for _fn, future in calls:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(EngineClosedError("the engine loop is shut down"))
-        if self._close_engine:
-            try:
-                engine.close()
-            except Exception:  # noqa: BLE001
-                logger.exception("closing the engine failed")
-        self._stopped.set()

@@ -249,17 +249,20 @@ def _schemas() -> dict[str, dict]:
                                "max_model_len": {"type": "integer"}},
             }}},
         },
-        "Health": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
+        "Health": {"type": "object", "required": ["status"], "properties": {
+            "status": {"type": "string"}, "error": {"type": "string", "description": "Why the engine failed."}}},
     }
 
 
 ERRORS = {
-    400: "A bad field (named in error.param), a body that is not a JSON object or is nested too deeply.",
+    400: "A bad field (named in error.param; code invalid_unicode: text with a lone surrogate), a body that is not "
+         "a JSON object or is nested too deeply.",
     401: "A wrong or missing API key (only when the server has one).",
     404: "An unknown model (code model_not_found).",
     413: "A body larger than the server's limit.",
     500: "The engine failed the request.",
-    503: "No room in the waiting queue (code queue_full), or the engine is shut down; retry later.",
+    503: "No room in the waiting queue (code queue_full), the engine is shut down (engine_closed) or failed for good "
+         "(engine_failed: the server exits, its supervisor restarts it); retry later.",
 }
 
 
@@ -293,7 +296,8 @@ def operations(served: ServedModel, api_key: bool = False) -> dict[tuple[str, st
               **({"security": [{"bearer": []}]} if api_key else {})}
     health = {"summary": "Liveness of the engine loop", "responses": {
         "200": {"description": "The engine loop runs.", "content": {JSON: {"schema": _ref("Health")}}},
-        "503": {"description": "The engine loop is stopped.", "content": {JSON: {"schema": _ref("Health")}}}}}
+        "503": {"description": "The engine loop is stopped, or the engine failed for good (error says why).",
+                "content": {JSON: {"schema": _ref("Health")}}}}}
     metrics = {"summary": "Prometheus metrics", "responses": {
         "200": {"description": "The Prometheus text format.",
                 "content": {"text/plain": {"schema": {"type": "string"}}}},

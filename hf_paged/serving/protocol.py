@@ -327,6 +327,7 @@ def chat_messages(messages: Any) -> list[dict]:
         if not isinstance(content, str):
             raise APIError(f"{where}.content must be a string or a list of text parts, got {content!r}",
                            param=f"{where}.content")
+        check_text(f"{where}.content", content)  # hf-paged batch reads messages without check_body
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 
@@ -344,16 +345,45 @@ def apply_chat_template(tokenizer, messages: list[dict], tools: list[dict] | Non
     return list(ids)
 
 
-def check_depth(body: Any, limit: int = MAX_JSON_DEPTH) -> None:
-    """Refuse a body whose arrays and objects nest deeper than ``limit`` (without recursing)."""
-    stack = [(body, 1)] if isinstance(body, (dict, list)) else []
+def check_body(body: Any, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse a parsed JSON body whose arrays and objects nest deeper than ``limit``, or with a string (or key)
+    that is not valid Unicode, naming where (without recursing)."""
+    check_text("body", body)
+    stack = [(body, 1, "")] if isinstance(body, (dict, list)) else []
     while stack:
-        value, depth = stack.pop()
-        children = value.values() if isinstance(value, dict) else value
+        value, depth, path = stack.pop()
         if depth > limit:
             raise APIError(f"the request body is nested too deeply: more than {limit} levels of arrays and objects",
                            param="body")
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, child in items:  # a path is built only where it may be needed: a token id list stays cheap
+            if isinstance(key, str) and not key.isascii():
+                check_text(f"a key of {path or 'the request body'}", key, path or "body")
+            if isinstance(child, str):
+                if not child.isascii():
+                    check_text(_path(path, key), child)
+            elif isinstance(child, (dict, list)):
+                stack.append((child, depth + 1, _path(path, key)))
+
+
+def _path(path: str, key: str | int) -> str:
+    """``messages[0].content``: where a value sits in the body."""
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def check_text(where: str, text: object, param: str | None = None) -> None:
+    """Refuse a string with a lone surrogate (JSON allows ``"\\ud800"``; no text encoding does, so the tokenizer
+    and the chat template fail on it) with a 400 naming ``where``."""
+    if not isinstance(text, str) or text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(f"{where} is not valid Unicode: it holds a lone surrogate ({text[e.start]!r}) at character "
+                       f"{e.start}; a \\uD800-\\uDFFF escape must be half of a high-low surrogate pair",
+                       param=param or where, code="invalid_unicode") from None
 
 
 def _object(body: Any) -> dict:

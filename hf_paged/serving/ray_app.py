@@ -3,7 +3,7 @@
 - ``EngineReplica`` (deployment ``Engine``): one engine loop and the very FastAPI app of ``hf-paged serve``;
   it answers the HTTP requests the ingress forwards (``http``, streamed back chunk by chunk), reports its
   Prometheus text to the ingress every ``report_period`` seconds, and fails Ray's health check
-  (``check_health``) when its loop has stopped, so that Ray replaces it.
+  (``check_health``) when its loop has stopped or its engine failed, so that Ray replaces it.
 - ``Ingress`` (deployment ``Ingress``, one replica): receives HTTP from Ray's proxy, computes the request's
   prefix chain (``prefix_routing``), forwards it to an engine replica through a ``DeploymentHandle`` whose
   request router is ``PrefixAwareRouter`` (or Ray's default power-of-two choices), and serves the merged
@@ -137,6 +137,8 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Ray Serve calls this every ``health_check_period_s``; raising has the replica replaced."""
+        if self.loop.failure is not None:  # for good (e.g. a tensor-parallel worker died): a new replica serves
+            raise RuntimeError(f"replica {self.replica_id}: {self.loop.failure}")
         if not self.loop.is_running:
             raise RuntimeError(f"the engine loop of replica {self.replica_id} has stopped")
 

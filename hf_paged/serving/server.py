@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator
 
 from hf_paged.outputs import RequestOutput
 from hf_paged.serving.common import WorkerPool
-from hf_paged.serving.engine_loop import AsyncPagedEngine, EngineClosedError, QueueFullError
+from hf_paged.serving.engine_loop import AsyncPagedEngine, EngineClosedError, EngineFailedError, QueueFullError
 from hf_paged.serving.http_runner import BackgroundServer, run_server  # noqa: F401 - served from here too
 from hf_paged.serving.openapi import install_openapi
-from hf_paged.serving.protocol import APIError, ParsedRequest, ServedModel, check_depth, parse_chat, parse_completion
+from hf_paged.serving.protocol import APIError, ParsedRequest, ServedModel, check_body, parse_chat, parse_completion
 from hf_paged.serving.responses import chat_logprobs, completion_logprobs, new_id, usage
 from hf_paged.serving.structured import compile_grammar, generation_error
 from hf_paged.serving.stream import RequestStream
@@ -132,7 +132,7 @@ def build_app(
             raise APIError("the request body is nested too deeply to parse", param="body") from e
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(f"the request body is not valid JSON: {e}", param="body") from e
-        check_depth(body)
+        check_body(body)
         return body
 
     def submit(parsed: ParsedRequest, rid: str) -> list[RequestStream]:
@@ -142,6 +142,8 @@ def build_app(
             return engine.add_requests(parsed.prompts, parsed.params, ids, parsed.priority)
         except QueueFullError as e:
             raise APIError(str(e), 503, type="server_overloaded", code="queue_full") from e
+        except EngineFailedError as e:
+            raise APIError(str(e), 503, type="server_error", code="engine_failed") from e
         except EngineClosedError as e:
             raise APIError(str(e), 503, type="server_error", code="engine_closed") from e
         except (ValueError, TypeError) as e:  # the engine's own checks: name the field its message names
@@ -310,6 +312,9 @@ def build_app(
 
     @app.get("/health")
     async def health():
+        failure = engine.failure
+        if failure is not None:  # for good: the server exits (hf-paged serve) or its supervisor replaces it
+            return JSONResponse({"status": "engine failed", "error": failure}, status_code=503)
         if not engine.is_running:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
