@@ -111,13 +111,15 @@ class StructuredMatchers:
             self._bitmask = xgr.allocate_token_bitmask(max(rows, 8), vocab)
         return self._bitmask[:rows]
 
-    def _fill(self, bitmask: torch.Tensor, row: int, seq_id: int) -> bool:
-        """Fill ``bitmask[row]`` with ``seq_id``'s allowed next tokens; False if there are none (a dead end)."""
-        self.matchers[seq_id].fill_next_token_bitmask(bitmask, row)
-        token_mask = self.token_masks.get(seq_id)
-        if token_mask is not None:
-            bitmask[row, : token_mask.shape[0]] &= token_mask
-        return bool(bitmask[row].any())
+    def _restrict(self, bitmask: torch.Tensor, filled: list[tuple[int, int]]) -> list[bool]:
+        """AND the token masks of the filled ``(row, seq_id)`` rows into ``bitmask`` (one batched op for the
+        step); whether each row still allows some token (False: a dead end)."""
+        limited = [(row, self.token_masks[s]) for row, s in filled if s in self.token_masks]
+        if limited:
+            width = limited[0][1].shape[0]
+            index = torch.tensor([row for row, _ in limited])
+            bitmask[index, :width] &= torch.stack([mask for _, mask in limited])
+        return bitmask[torch.tensor([row for row, _ in filled])].any(dim=1).tolist()
 
     def mask(self, logits: torch.Tensor, seq_ids: Sequence[int], inplace: bool = False,
              dead: dict[int, str] | None = None) -> torch.Tensor:
@@ -125,14 +127,16 @@ class StructuredMatchers:
         copy when the caller still needs the raw rows (log-probabilities are the model's, unmasked). A row whose
         grammar allows no token is left unmasked and its sequence's error is put in ``dead`` (the caller must
         not sample it)."""
-        rows = [(i, s) for i, s in enumerate(seq_ids) if s in self.matchers and not self.matchers[s].is_terminated()]
-        if not rows:
+        filled = [(i, s) for i, s in enumerate(seq_ids) if s in self.matchers and not self.matchers[s].is_terminated()]
+        if not filled:
             return logits
         xgr = import_xgrammar()
         bitmask = self._buffer(logits.shape[0], logits.shape[-1])
+        for row, seq_id in filled:
+            self.matchers[seq_id].fill_next_token_bitmask(bitmask, row)
         masked_rows = []
-        for row, seq_id in rows:
-            if self._fill(bitmask, row, seq_id):
+        for (row, seq_id), alive in zip(filled, self._restrict(bitmask, filled)):
+            if alive:
                 masked_rows.append(row)
             elif dead is not None:
                 dead[seq_id] = self.dead_end(seq_id)
@@ -147,29 +151,37 @@ class StructuredMatchers:
         """Speculative verification: ``logits`` holds ``len(draft) + 1`` rows per sequence; each row is masked
         as if the drafts before it were accepted. Rows after a draft the grammar refuses stay unmasked: that
         draft is masked out at its own row, so verification rejects it and never reads them. A row where the
-        grammar allows no token stays unmasked and is put in ``dead`` (sequence id -> its position among the
-        sequence's rows): a token verified there must not be kept (the sequence fails with :meth:`dead_end`)."""
+        grammar allows no token stays unmasked and its position among the sequence's rows goes into ``dead``
+        (the first one): a token verified there must not be kept (the sequence fails with :meth:`dead_end`)."""
         bitmask = self._buffer(logits.shape[0], logits.shape[-1])
-        rows: list[int] = []
+        filled: list[tuple[int, int]] = []  # (row, seq_id)
+        positions: list[int] = []  # drafts walked before each filled row
         offset = 0
         for seq_id, draft in zip(seq_ids, drafts):
             matcher = self.matchers.get(seq_id)
             if matcher is not None and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, offset)
+                filled.append((offset, seq_id))
+                positions.append(0)
                 walked = 0
-                while True:  # fill the row after `walked` accepted drafts, then walk one more draft
-                    if not self._fill(bitmask, offset + walked, seq_id):
-                        if dead is not None:
-                            dead[seq_id] = walked
-                        break  # no later row can be read: verification stops here at the latest
-                    rows.append(offset + walked)
-                    if walked == len(draft) or not matcher.accept_token(draft[walked]):
+                for token in draft:
+                    if not matcher.accept_token(token):
                         break
                     walked += 1
                     if matcher.is_terminated():
                         break
+                    matcher.fill_next_token_bitmask(bitmask, offset + walked)
+                    filled.append((offset + walked, seq_id))
+                    positions.append(walked)
                 if walked:
                     matcher.rollback(walked)
             offset += len(draft) + 1
+        rows: list[int] = []
+        for (row, seq_id), walked, alive in zip(filled, positions, self._restrict(bitmask, filled) if filled else []):
+            if alive:
+                rows.append(row)
+            elif dead is not None and seq_id not in dead:
+                dead[seq_id] = walked
         if not rows:
             return logits
         masked = logits.clone()

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import re
 
+from hf_paged.structured.regex_support import unescaped_json_hazard, unsupported_regex_construct
+
 # Keywords that never reject a value (JSON Schema annotations and structure). ``format`` is an annotation in
 # JSON Schema unless a validator opts in; xgrammar enforces the formats in BUILTIN_FORMATS on strings.
 ANNOTATIONS = frozenset({
@@ -59,8 +61,6 @@ ASSERTING = frozenset({
 })
 INTEGER_MULTIPLE_OF_MAX = 1024  # xgrammar's bounds for an enforced integer multipleOf
 INTEGER_RANGE_WITH_MULTIPLE_OF_MAX = 10000
-# Regex escapes xgrammar reads (the letters and digits; any other letter is matched as itself, with a warning).
-KNOWN_ESCAPES = frozenset("abcdefknprstuvwxBDPSW0123456789")
 
 
 class UnsupportedSchemaError(ValueError):
@@ -81,63 +81,6 @@ class UnsupportedSchemaError(ValueError):
 def pointer(path: str, *tokens: object) -> str:
     """``path`` extended by JSON-pointer ``tokens`` (escaped: ``~`` as ``~0``, ``/`` as ``~1``)."""
     return path + "".join("/" + str(t).replace("~", "~0").replace("/", "~1") for t in tokens)
-
-
-def unsupported_regex_construct(regex: str) -> str | None:
-    """A regex construct xgrammar would ignore (so the output could break the regex), described; None if none.
-
-    xgrammar matches a whole output, so ``^`` and ``$`` mean something only at the very start and end; elsewhere
-    it drops them (``a$b`` would give "ab"). It drops lookaheads ``(?=..)`` / ``(?!..)`` inside JSON-schema
-    patterns, and matches an unknown escape such as ``\\A`` or ``\\z`` as the letter itself.
-    """
-    i, n, in_class = 0, len(regex), False
-    while i < n:
-        c = regex[i]
-        if c == "\\":
-            nxt = regex[i + 1] if i + 1 < n else ""
-            if nxt.isascii() and nxt.isalnum() and nxt not in KNOWN_ESCAPES:
-                return f"the escape \\{nxt} at position {i + 1} (xgrammar would match the letter {nxt!r})"
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-        elif c == "^" and i != 0:
-            return f"'^' at position {i + 1}, not at the start (xgrammar would drop it)"
-        elif c == "$" and i != n - 1:
-            return f"'$' at position {i + 1}, not at the end (xgrammar would drop it)"
-        elif regex.startswith(("(?=", "(?!"), i):
-            return f"the lookahead at position {i + 1} (xgrammar would drop it)"
-        i += 1
-    return None
-
-
-_QUOTE_OR_BACKSLASH = re.compile(r'"|\\\\|\\x(22|5[cC])|\\u00(22|5[cC])')
-
-
-def unescaped_json_hazard(regex: str) -> str | None:
-    """Where a JSON-schema pattern names '"' or a backslash itself (a literal, ``\\\\``, ``\\x22``, ...)
-    outside a negated class: xgrammar writes such a character into the JSON string unescaped, which ends the
-    string early or breaks the JSON. None if there is no such place."""
-    i, n, negated = 0, len(regex), None  # negated: None outside a class, else whether the class is [^...]
-    while i < n:
-        if negated is not True:
-            hit = _QUOTE_OR_BACKSLASH.match(regex, i)
-            if hit:
-                return f"{hit.group(0)!r} at position {i + 1} (xgrammar would write it unescaped into the JSON string)"
-        c = regex[i]
-        if c == "\\":
-            i += 2
-            continue
-        if negated is None and c == "[":
-            negated = regex.startswith("^", i + 1)
-            i += 2 if negated else 1
-            continue
-        if negated is not None and c == "]":
-            negated = None
-        i += 1
-    return None
 
 
 def check_schema_support(schema: dict | bool) -> None:
@@ -221,27 +164,32 @@ class _Walker:
         for i, value in enumerate(values):
             problem = self._invalid_under(value, schema)
             if problem is not None:
+                broken = problem[0] if problem[0] in rest else sorted(rest)[0]
                 where = pointer(path, keyword) if keyword == "const" else pointer(path, "enum", i)
-                raise UnsupportedSchemaError(sorted(rest)[0], pointer(path, sorted(rest)[0]),
-                                             f"xgrammar outputs one of the {keyword} values and ignores the other "
-                                             f"keywords, but the value at {where} breaks them ({problem})")
+                raise UnsupportedSchemaError(broken, pointer(path, broken), f"xgrammar outputs one of the {keyword} "
+                                             f"values and ignores the other keywords, but the value at {where} "
+                                             f"breaks them ({problem[1]})")
 
-    def _invalid_under(self, value: object, schema: dict) -> str | None:
-        """Why ``value`` is not valid under the subschema ``schema`` (refs resolved from the root), or None."""
+    def _invalid_under(self, value: object, schema: dict) -> tuple[str, str] | None:
+        """(the keyword, why) ``value`` is not valid under the subschema ``schema`` (refs resolved from the root),
+        or None if it is valid."""
         try:
             import jsonschema
         except ImportError:  # without jsonschema only "type" next to const / enum can be checked
             others = sorted(k for k in schema if k in ASSERTING and k not in ("const", "enum", "type"))
             if others:
-                return f"{others[0]!r} cannot be checked without the jsonschema package"
+                return others[0], "it cannot be checked without the jsonschema package"
             types = schema.get("type")
             types = [types] if isinstance(types, str) else types
             ok = types is None or any(json_type_matches(value, t) for t in types)
-            return None if ok else f"{value!r} is not of type {schema.get('type')!r}"
+            return None if ok else ("type", f"{value!r} is not of type {schema.get('type')!r}")
         root = self.root if isinstance(self.root, dict) else {}
         validator = jsonschema.validators.validator_for(root)(root).evolve(schema=schema)
         error = jsonschema.exceptions.best_match(validator.iter_errors(value))
-        return None if error is None else error.message
+        if error is None:
+            return None
+        keyword = next((str(p) for p in error.relative_schema_path if str(p) in schema), str(error.validator))
+        return keyword, error.message
 
     def _check_disjoint(self, options: list, path: str) -> None:
         """xgrammar generates oneOf as anyOf unless it proves the branches disjoint: an output may then match two

@@ -20,7 +20,8 @@ import re
 import threading
 from collections import OrderedDict
 
-from hf_paged.structured.schema_support import check_schema_support, unsupported_regex_construct
+from hf_paged.structured.regex_support import unsupported_regex_construct
+from hf_paged.structured.schema_support import check_schema_support
 
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")  # "[21:29:37] /project/cpp/x.cc:83: " on xgrammar errors
 _CHECKED_MAX = 512
