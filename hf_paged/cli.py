@@ -237,10 +237,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="shard the model over N processes (torch.distributed; under torchrun, its WORLD_SIZE); "
                    "docs/tensor_parallel.md")
     _add_kv_cache_dtype(p)
-    p.add_argument("--quant-activations", choices=["float", "int8", "bf16"], default="float",
+    p.add_argument("--quant-activations", choices=["float", "int8", "bf16", "auto"], default="float",
                    help="quantized linears' kernel mode: float (exact), int8 (activations rounded to int8 per "
                    "block of 32) or bf16 (activations and weights rounded to bf16, AMX tiles: fastest for large "
-                   "batches); int8 and bf16 are faster and give slightly different numbers")
+                   "batches); int8 and bf16 are faster and give slightly different numbers; auto: the fastest of "
+                   "them here, timed at start")
 
 
 def _add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:

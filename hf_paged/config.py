@@ -109,8 +109,11 @@ class EngineConfig:
         quant_activations: The quantized linears' kernel mode: "float" (fp32 activations, the exact reference),
             "int8" (activations rounded to int8 per block of 32 and integer dot products) or "bf16" (activations
             and dequantized weights rounded to bf16, AMX-BF16 tiles; where the CPU has none, the float kernel
-            with one warning): faster, slightly different numbers. Applies to the layers ``quantization`` makes
-            and to a GGUF model's own.
+            with one warning): faster, slightly different numbers; or "auto": the fastest of those whose kernel
+            works here (bf16 only with AMX-BF16), timed once at start on one of the model's quantized layers at
+            1, 16 and 64 rows (at most ``max_num_seqs``), float unless another is 10% faster
+            (:mod:`hf_paged.cpu.quant_modes`). Applies to the layers ``quantization`` makes and to a GGUF
+            model's own.
         tensor_parallel_size: Processes the model is sharded over (tensor parallelism on ``torch.distributed``,
             gloo on CPU, NCCL on CUDA): the engine spawns ``N - 1`` workers, or joins ``torchrun``'s ranks.
             See docs/tensor_parallel.md.

@@ -127,9 +127,10 @@ def kernel_choices(dtype: torch.dtype, device: str = "cpu") -> dict[str, str]:
 
 
 def _quantized_modes() -> dict[str, str]:
+    from hf_paged.cpu import quant_modes
     from hf_paged.cpu.quant_linear import describe_modes
 
-    return describe_modes()
+    return {**describe_modes(), "auto": quant_modes.describe()}
 
 
 def _isa_level() -> str:

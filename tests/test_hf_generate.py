@@ -1,6 +1,7 @@
 """wrap()/unwrap() and the HF-compatible generate: tensor equality with stock generate."""
 
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -135,6 +136,55 @@ def test_scores_match_stock(llama):
     assert torch.equal(got.sequences, want.sequences)
     assert len(got.scores) == len(want.scores) == 6
     for g, w in zip(got.scores, want.scores):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+
+def early_eos(model, ids, mask, row=2, step=3, **kw):
+    """A token that input row ``row`` generates at ``step`` (wrapped or not), to end that row early."""
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=step + 1, pad_token_id=0, **kw)
+    return int(out[row, ids.shape[1] + step])
+
+
+def assert_finished_early(out, width, pad):
+    new = out.sequences[:, width:]
+    assert ((new[:, -1] == pad) & (new[:, 0] != pad)).any(), "no row finished before the others"
+
+
+@pytest.mark.parametrize("extra", [{}, dict(repetition_penalty=1.3, no_repeat_ngram_size=2)])
+def test_scores_of_rows_finished_early_match_stock(llama, extra):
+    # stock keeps running a finished row on its pad tokens and records those logits (processed) in scores
+    ids, mask = padded(PROMPTS)
+    eos = early_eos(llama, ids, mask, do_sample=False, **extra)
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=9, eos_token_id=eos,
+              return_dict_in_generate=True, output_scores=True, **extra)
+    want, got = stock_and_wrapped(llama, lambda m: m.generate(ids, **kw))
+    assert_finished_early(want, ids.shape[1], 9)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.scores) == len(want.scores) == 12
+    for g, w in zip(got.scores, want.scores):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_scores_of_rows_finished_early_match_stock(llama):
+    ids, mask = padded(PROMPTS[:3])
+    width = ids.shape[1]
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=0.8, top_k=50, top_p=0.9,
+              num_return_sequences=2, pad_token_id=9, return_dict_in_generate=True, output_scores=True)
+    hf_paged.wrap(llama, num_blocks=512, block_size=8)
+    torch.manual_seed(3)
+    eos = int(llama.generate(ids, **kw).sequences[4, width + 3])  # input row 2, first sample
+    torch.manual_seed(3)
+    got = llama.generate(ids, eos_token_id=eos, **kw)
+    hf_paged.unwrap(llama)
+    assert_finished_early(got, width, 9)
+    # stock along the same path: its draws replaced by the engine's tokens (a finished row's draw becomes pad)
+    draws = iter(got.sequences[:, width:].T)
+    with mock.patch("torch.multinomial", lambda probs, num_samples: next(draws)[:, None].to(probs.device)):
+        want = llama.generate(ids, eos_token_id=eos, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.scores) == len(want.scores) == 10
+    for g, w in zip(got.scores, want.scores):  # top-k / top-p leave -inf where stock's warpers do
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 

@@ -159,7 +159,8 @@ def test_env_reports_versions_features_and_kernel_choices(capsys, monkeypatch):
     for line in ("vector features:", "openmp runtime:", "allocator:", "c compiler:", "fp32 linear:", "bf16 attention:", "fp32 decoder layers:"):
         assert line in text
     quant = info["quantized_linears"]
-    assert set(quant) == {"float", "int8", "bf16"} and quant["float"] == "C kernel (quant_gemm.c)"
+    assert set(quant) == {"float", "int8", "bf16", "auto"} and quant["float"] == "C kernel (quant_gemm.c)"
+    assert quant["auto"].split()[:2] in (["picks", "float"], ["picks", "int8"], ["picks", "bf16"])
     if info["cpu"]["features"].get("amx_bf16"):
         assert quant["bf16"] == "C kernel (quant_bf16.c)"
     else:  # the mode's fallback, with the probe's reason

@@ -63,7 +63,7 @@ def test_engines_share_one_quantization_and_refuse_another():
 def test_bad_quantization_names_and_shapes(caplog):
     with pytest.raises(ValueError, match=r"quantization must be None or one of \['int4', 'int8'\], got 'fp8'"):
         EngineConfig(quantization="fp8")
-    with pytest.raises(ValueError, match=r"quant_activations must be one of \('float', 'int8', 'bf16'\), got 'int4'"):
+    with pytest.raises(ValueError, match=r"quant_activations must be one of \('float', 'int8', 'bf16', 'auto'\), got 'int4'"):
         EngineConfig(quantization="int8", quant_activations="int4")
     model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 40), torch.nn.Linear(40, 4))
     with caplog.at_level(logging.WARNING):

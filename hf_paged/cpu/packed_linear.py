@@ -225,7 +225,7 @@ PACKERS = {"mkl": PackedWeight, "onednn": OneDnnPackedWeight, "native": NativePa
 _fastest: dict[tuple, str] = {}
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand the timing's freed weight copies back to the OS: they were small enough for the allocator to keep,
     and would otherwise stay resident (and be handed out again as already-resident memory, e.g. to the KV pool)."""
     for name in ("malloc_trim", "MallocExtension_ReleaseFreeMemory"):  # glibc; tcmalloc when preloaded
@@ -241,7 +241,7 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def _cold_bytes() -> int:
+def cold_bytes() -> int:
     """Bytes of weight copies fastest_kind cycles through: twice the last-level cache (sysfs), 96 MiB if unknown."""
     size = 0
     for index in range(8):
@@ -316,7 +316,7 @@ def _time_kinds(dtype: torch.dtype, out_features: int, in_features: int, kinds: 
     # Enough copies of the weight to overflow the caches, called in turn: each call reads its weight from
     # DRAM, as every linear of a decode step does. (Timed with one hot weight, oneDNN won for fp32 on a Zen 5
     # host; with the weights coming from DRAM our GEMM, which prefetches them, was 10% faster.)
-    copies = max(reps, min(256, -(-_cold_bytes() // max(1, w.numel() * w.element_size()))))
+    copies = max(reps, min(256, -(-cold_bytes() // max(1, w.numel() * w.element_size()))))
     weights = [w] + [w.clone() for _ in range(copies - 1)]
     timings = {}
     for kind in (("torch",) if include_torch else ()) + tuple(kinds):
@@ -335,7 +335,7 @@ def _time_kinds(dtype: torch.dtype, out_features: int, in_features: int, kinds: 
         timings[kind] = best_round / len(calls)
         del calls
     del weights
-    _release_freed_memory()
+    release_freed_memory()
     return timings
 
 

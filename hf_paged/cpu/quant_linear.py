@@ -135,6 +135,11 @@ _PATHS = {"float": ("linear.quant", QUANT_GEMM), "int8": ("linear.quant_q8", QUA
           "bf16": ("linear.quant_bf16", QUANT_BF16)}
 
 
+def mode_available(activations: str) -> bool:
+    """Whether mode ``activations`` runs its own C kernel here (built, probed; bf16: AMX-BF16), without warning."""
+    return probes.probe(_PATHS[activations][0], torch.float32).ok
+
+
 def native_library(activations: str = "float") -> ctypes.CDLL | None:
     """The kernel library of a mode if it builds and passes its probe here, else None (warned once)."""
     path, library = _PATHS[activations]

@@ -1,5 +1,5 @@
 """Quantize a model's linears at engine start (``EngineConfig(quantization="int8" | "int4")``) and choose the
-kernels' activation mode (``EngineConfig(quant_activations="float" | "int8" | "bf16")``).
+kernels' activation mode (``EngineConfig(quant_activations="float" | "int8" | "bf16" | "auto")``).
 
 Every plain ``nn.Linear`` of the model is swapped for a :class:`~hf_paged.cpu.quant_linear.QuantLinear` of its
 weight: the decoder linears "int8" per output channel or "int4" in groups of 32 (scale and min, the Q4_1 layout);
@@ -7,7 +7,8 @@ the LM head (its output embeddings, read every step: 108 MiB in fp32 for the def
 32 with an fp16 scale, GGUF's format for token embeddings) in both cases, unless ``lm_head=False``. The input
 embeddings stay float (a lookup reads a few rows). A linear whose input width is not a multiple of 32 stays float
 (one warning naming how many). With ``quant_activations="int8"`` (or ``"bf16"``) every ``QuantLinear`` of the
-model (those just made and those a GGUF file brought) runs the int8- (or bf16-) activation kernels. The change belongs to the model, shared by
+model (those just made and those a GGUF file brought) runs the int8- (or bf16-) activation kernels; ``"auto"`` picks
+the fastest mode here (:mod:`hf_paged.cpu.quant_modes`). The change belongs to the model, shared by
 its engines (:mod:`hf_paged.model_patches`), and :meth:`QuantizedLinears.remove` (the last engine's ``close()``)
 puts the original modules and modes back; the originals stay referenced meanwhile, so the float weights stay in
 memory (the model is the caller's, and int8 weights could not give the same numbers back). :func:`quantize_model`
@@ -20,20 +21,22 @@ import logging
 
 import torch
 
+from hf_paged.cpu import quant_modes
 from hf_paged.cpu.quant_linear import ACTIVATIONS, GROUP, QUANTIZATIONS, QuantLinear
 
 logger = logging.getLogger(__name__)
 
 HEAD_FORMAT = "q8_0"
+ACTIVATION_CHOICES = (*ACTIVATIONS, "auto")  # "auto": the fastest of ACTIVATIONS here, measured at start
 
 
 def check_quantization(name: object, activations: object = "float") -> None:
     """ValueError unless ``name`` is None or one of :data:`QUANTIZATIONS` and ``activations`` one of
-    :data:`ACTIVATIONS`."""
+    :data:`ACTIVATION_CHOICES`."""
     if name is not None and name not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or one of {sorted(QUANTIZATIONS)}, got {name!r}")
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"quant_activations must be one of {ACTIVATIONS}, got {activations!r}")
+    if activations not in ACTIVATION_CHOICES:
+        raise ValueError(f"quant_activations must be one of {ACTIVATION_CHOICES}, got {activations!r}")
 
 
 class QuantizedLinears:
@@ -43,18 +46,28 @@ class QuantizedLinears:
     Args:
         model: The model, changed in place.
         quantization: "int8", "int4", or None (only set the activation mode).
-        activations: "float" or "int8".
+        activations: "float", "int8", "bf16", or "auto" (the fastest of them here for the model's commonest
+            quantized layer in an engine of ``max_rows`` sequences; ``activations`` then holds the mode picked
+            and ``requested`` says "auto").
         lm_head: Quantize the LM head too (as q8_0).
+        max_rows: The most rows a linear gets per decode step (the engine's ``max_num_seqs``), for "auto".
     """
 
     def __init__(self, model: torch.nn.Module, quantization: str | None, activations: str = "float",
-                 lm_head: bool = True) -> None:
+                 lm_head: bool = True, max_rows: int = 64) -> None:
         check_quantization(quantization, activations)
-        self.quantization, self.activations = quantization, activations
+        self.quantization, self.requested = quantization, activations
         self._swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []  # (parent, name, original)
         self._modes: list[tuple[QuantLinear, str]] = []  # (layer, its mode before)
         if quantization is not None:
             self._swap(model, quantization, lm_head)
+        self._auto = False  # "auto" picked a mode for quantized layers: held even where it changed nothing
+        if activations == "auto":
+            layer = quant_modes.representative_layer(model)
+            self._auto = layer is not None
+            activations = "float" if layer is None else quant_modes.fastest_mode(layer, max_rows)
+            logger.info("quant_activations='auto' runs the %r mode here", activations)
+        self.activations = activations
         for layer in model.modules():
             if type(layer) is QuantLinear and layer.activations != activations:
                 self._modes.append((layer, layer.activations))
@@ -80,8 +93,15 @@ class QuantizedLinears:
         logger.info("quantized %d linear layers to %s (%.1f MiB)", len(self._swapped), quantization,
                     sum(getattr(p, n).nbytes for p, n, _ in self._swapped) / 2**20)
 
+    def serves(self, quantization: str | None, activations: str) -> bool:
+        """Whether an engine asking for ``quantization`` and ``activations`` can share these layers ("auto" takes
+        the mode they run)."""
+        return quantization == self.quantization and activations in (self.activations, "auto")
+
     def __len__(self) -> int:
-        return len(self._swapped) + len(self._modes) + (self.quantization is None and self.activations != "float")
+        # "auto" is held even where it picked the mode the layers had, so that other engines share its pick
+        return len(self._swapped) + len(self._modes) + self._auto + (
+            self.quantization is None and self.activations != "float")
 
     def remove(self) -> None:
         """Put the original float modules and activation modes back."""

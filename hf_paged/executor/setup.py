@@ -73,12 +73,13 @@ def maybe_quantize(model: torch.nn.Module, cfg: EngineConfig, device: torch.devi
     """The model's linears quantized at start and their activation mode (shared with other engines on the same
     model), or None where neither is asked for."""
     want = (cfg.quantization, cfg.quant_activations)
-    if want == (None, "float"):
-        return None
+    if want == (None, "float") or (want == (None, "auto") and device.type != "cpu"):
+        return None  # ("auto" without quantized CPU layers has nothing to pick)
     if device.type != "cpu":
         raise ValueError(f"quantization={cfg.quantization!r} runs CPU kernels; this model is on {device}")
-    quantized = model_patches.acquire(model, "quantization", lambda: QuantizedLinears(model, *want))
-    if quantized is not None and (quantized.quantization, quantized.activations) != want:
+    quantized = model_patches.acquire(
+        model, "quantization", lambda: QuantizedLinears(model, *want, max_rows=cfg.max_num_seqs))
+    if quantized is not None and not quantized.serves(*want):
         model_patches.release(model, "quantization")
         raise ValueError(
             f"quantization={cfg.quantization!r}, quant_activations={cfg.quant_activations!r}: another engine on "

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+from transformers.generation.utils import GenerationMixin
 
 from hf_paged.cache import CACHE_KWARG, PagedCache
 from hf_paged.hf import generate_processors as hooks
 from hf_paged.hf.generate_beam import beam_generate
+from hf_paged.hf.generate_output import FinishedRowScores, assemble
 from hf_paged.outputs import RequestOutput
 from hf_paged.sampling_params import SamplingParams
 
@@ -139,7 +140,12 @@ def paged_generate(
     if lockstep is not None:
         lockstep.flush(final=True)
         streamer.end()
-    return _assemble(gen_cfg, input_ids, rows, batch_stop.target if batch_stop is not None else None)
+    finished_scores = None
+    if gen_cfg.return_dict_in_generate and gen_cfg.output_scores:
+        finished_scores = FinishedRowScores(self, gen_cfg, input_ids, _attention_mask(gen_cfg, model_kwargs, input_ids),
+                                            width + max_new, logits_processor, prefix_allowed_tokens_fn)
+    return assemble(gen_cfg, input_ids, rows, _pad_id(gen_cfg), batch_stop.target if batch_stop is not None else None,
+                    finished_scores)
 
 
 def _given(value) -> bool:
@@ -350,37 +356,3 @@ class _LockstepStreamer:
                     return
             self.streamer.put(torch.tensor(column))
             self.sent += 1
-
-
-def _assemble(gen_cfg: GenerationConfig, input_ids: torch.Tensor, rows: list[_Row], limit: int | None = None):
-    """The stock output; ``limit``: every row's tokens cut to this many (a batch-wide stop, see BatchStop)."""
-    pad = _pad_id(gen_cfg)
-    completions = [(row, c) for row in rows for c in row.latest.outputs]
-    outs = [c.token_ids[:limit] for _, c in completions]
-    new = max(len(o) for o in outs)
-    width = input_ids.shape[1]
-    sequences = torch.full((len(outs), width + new), pad, dtype=input_ids.dtype)
-    sources = torch.tensor([row.source for row, _ in completions])
-    sequences[:, :width] = input_ids.cpu().index_select(0, sources)
-    for i, o in enumerate(outs):
-        sequences[i, width : width + len(o)] = torch.tensor(o, dtype=input_ids.dtype)
-    sequences = sequences.to(input_ids.device)
-    if not gen_cfg.return_dict_in_generate:
-        return sequences
-    scores = None
-    if gen_cfg.output_scores:
-        per_row = [row.scores.get(c.index, []) for row, c in completions]
-        scores = tuple(_score_column(per_row, k, pad).to(input_ids.device) for k in range(new))
-    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores)
-
-
-def _score_column(per_row: list[list[torch.Tensor]], k: int, pad: int) -> torch.Tensor:
-    """Step k's processed logits; a row that already finished is forced to the pad token (-inf elsewhere)."""
-    first = next(s[0] for s in per_row if s)
-    column = torch.full((len(per_row), first.shape[-1]), float("-inf"))
-    for i, s in enumerate(per_row):
-        if k < len(s):
-            column[i] = s[k]
-        else:
-            column[i, pad] = 0.0
-    return column

@@ -195,6 +195,43 @@ def _with_batch_id(fn, batch_id: int, _row: int, sent: torch.Tensor):
     return fn(batch_id, sent)
 
 
+def stock_row_config(
+    model, gen_cfg: GenerationConfig, input_ids: torch.Tensor, max_length: int, sample: bool
+) -> GenerationConfig:
+    """The generation config stock ``generate`` builds its processors from, for one row and one sample.
+
+    ``sample``: keep ``do_sample`` (stock then appends its warpers: temperature, top-k, top-p, min-p, ...);
+    False leaves them out, for the engine, which applies its own after the processors.
+    """
+    cfg = copy.deepcopy(gen_cfg)
+    cfg.do_sample = bool(sample and gen_cfg.do_sample)
+    cfg.num_beams, cfg.num_return_sequences = 1, 1
+    # what stock's _prepare_generated_length makes of the lengths (forced_eos_token_id reads max_length)
+    cfg.max_length = max_length
+    if cfg.min_new_tokens is not None:
+        cfg.min_length = cfg.min_new_tokens + input_ids.shape[1]
+    model._prepare_special_tokens(cfg, True, device=input_ids.device)
+    return cfg
+
+
+def stock_row_processors(
+    model, cfg: GenerationConfig, input_ids: torch.Tensor, mask: torch.Tensor, b: int, logits_processor=None,
+    prefix_allowed_tokens_fn=None,
+) -> lp.LogitsProcessorList:
+    """Stock's processor list for input row ``b`` of ``input_ids [B, width]`` (``mask``: ``[B, width]`` bool),
+    built by transformers' own ``_get_logits_processor``; ``prefix_allowed_tokens_fn`` gets ``b`` as batch id."""
+    fn = prefix_allowed_tokens_fn
+    return model._get_logits_processor(
+        generation_config=cfg,
+        input_ids_seq_length=input_ids.shape[1],
+        encoder_input_ids=input_ids[b : b + 1],
+        prefix_allowed_tokens_fn=None if fn is None else functools.partial(_with_batch_id, fn, b),
+        logits_processor=lp.LogitsProcessorList(_items(logits_processor)),
+        device=input_ids.device,
+        model_kwargs={"attention_mask": mask[b : b + 1].long()},
+    )
+
+
 @dataclass
 class RowHooks:
     """Builds each input row's engine processors and criteria for one wrapped ``generate`` call."""
@@ -209,15 +246,8 @@ class RowHooks:
     prefix_allowed_tokens_fn: object = None
 
     def __post_init__(self) -> None:
-        cfg = copy.deepcopy(self.gen_cfg)
-        # the engine samples: no warpers in the list; one row, one sample per list
-        cfg.do_sample, cfg.num_beams, cfg.num_return_sequences = False, 1, 1
-        # what stock's _prepare_generated_length makes of the lengths (forced_eos_token_id reads max_length)
-        cfg.max_length = self.max_length
-        if cfg.min_new_tokens is not None:
-            cfg.min_length = cfg.min_new_tokens + self.input_ids.shape[1]
-        self.model._prepare_special_tokens(cfg, True, device=self.input_ids.device)
-        self.row_cfg = cfg
+        self.row_cfg = stock_row_config(self.model, self.gen_cfg, self.input_ids, self.max_length, sample=False)
+        cfg = self.row_cfg
         self.criteria = [c for c in _items(self.stopping_criteria) if not isinstance(c, sc.MaxLengthCriteria)]
         # stock pads a finished row only when some criterion knows an EOS token (its has_eos_stopping_criteria)
         knows_eos = cfg._eos_token_tensor is not None or any(hasattr(c, "eos_token_id") for c in self.criteria)
@@ -228,16 +258,8 @@ class RowHooks:
         """``(logits_processors, stopping_criteria)`` for ``SamplingParams`` of input row ``b``."""
         row = self.input_ids[b]
         view = StockRowView(row, int(self.mask[b].sum()))
-        fn = self.prefix_allowed_tokens_fn
-        processors = self.model._get_logits_processor(
-            generation_config=self.row_cfg,
-            input_ids_seq_length=self.input_ids.shape[1],
-            encoder_input_ids=self.input_ids[b : b + 1],
-            prefix_allowed_tokens_fn=None if fn is None else functools.partial(_with_batch_id, fn, b),
-            logits_processor=lp.LogitsProcessorList(_items(self.logits_processor)),
-            device=self.input_ids.device,
-            model_kwargs={"attention_mask": self.mask[b : b + 1].long()},
-        )
+        processors = stock_row_processors(self.model, self.row_cfg, self.input_ids, self.mask, b,
+                                          self.logits_processor, self.prefix_allowed_tokens_fn)
         procs = [RowProcessors(view, processors)] if len(processors) else []
         crits = []
         if self.criteria:
