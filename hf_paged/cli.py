@@ -15,7 +15,7 @@ import time
 
 from hf_paged.cli_engine import build_engine
 from hf_paged.cli_checks import (  # noqa: F401 - _chat_messages re-exported
-    UsageError, _chat_messages, check_model_folder, check_port, read_conversations,
+    UsageError, _chat_messages, check_model_folder, check_port, non_negative_float, read_conversations,
 )
 
 
@@ -139,6 +139,8 @@ def _engine_loop(args, max_num_seqs: int):
         config["max_model_len"] = args.max_model_len
     if getattr(args, "speculative_config", None):
         config["speculative_config"] = args.speculative_config
+    if getattr(args, "structured_compile_timeout_s", None) is not None:
+        config["structured_compile_timeout_s"] = args.structured_compile_timeout_s
     engine, tokenizer = build_engine(args, **config)
     return AsyncPagedEngine(engine, max_waiting_requests=args.max_waiting_requests), tokenizer
 
@@ -271,6 +273,9 @@ def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -
     p.add_argument("--max-num-seqs", type=_positive_int, default=max_num_seqs, help="most sequences in one batch")
     p.add_argument("--max-waiting-requests", type=_positive_int, default=1024,
                    help="most requests waiting to be scheduled; more are refused (HTTP 503)")
+    p.add_argument("--structured-compile-timeout-s", type=non_negative_float, default=None,
+                   help="seconds one new structured-output grammar (JSON schema, regex, grammar) may take to compile; "
+                   "past it the request is a 400 and its compile is stopped; 0: no budget (default: 20)")
     p.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding as JSON, vLLM\'s keys, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\'')

@@ -94,3 +94,16 @@ def check_port(host: str, port: int) -> None:
             raise UsageError(f"--port {port}: not allowed to listen on {host}:{port} ({e.strerror}); "
                              "ports below 1024 need privileges") from e
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value

@@ -209,17 +209,26 @@ class PagedGenerator(GeneratorClients):
             state.scores = {}
         return request, state
 
-    def prepare_structured(self, params):
+    def prepare_structured(self, params, cancel: threading.Event | None = None, cached_only: bool = False):
         """``params`` (SamplingParams or BeamSearchParams) with its structured-output grammar compiled (once per
-        distinct spec), on this thread."""
+        distinct spec), on this thread, within ``structured_compile_timeout_s`` (ValueError past it).
+
+        Args:
+            cancel: Set it from another thread to stop a compile that is no longer wanted (its caller then
+                gets :class:`~hf_paged.structured.compile_worker.CompileCancelled`).
+            cached_only: Compile nothing: set the grammar only if it is cached, else return ``params`` as
+                they are (the server looks up on its request threads and compiles on its compile thread).
+        """
         from hf_paged.structured.compiler import GrammarCompilerCache, prepare_params
 
         if self.tokenizer is None:
             raise ValueError("structured_outputs need the engine's tokenizer: pass tokenizer= to the engine")
+        self._check_usable()  # a closed engine starts no compile worker
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = GrammarCompilerCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return prepare_params(self._grammars, params)
+                self._grammars = GrammarCompilerCache(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                      compile_timeout_s=self.config.structured_compile_timeout_s)
+        return prepare_params(self._grammars, params, cancel, cached_only)
 
     def _check_context(self, prompt_len: int, max_tokens: int) -> None:
         """The server's rule (a 400 there): prompt + max_tokens must fit in max_model_len."""
@@ -388,6 +397,9 @@ class PagedGenerator(GeneratorClients):
                 self._abort_beam_search(search)
             self._closed = True
             self.executor.close()
+        with self._grammars_lock:
+            if self._grammars is not None:
+                self._grammars.close()  # its compile worker's child process
 
     def __enter__(self) -> PagedGenerator:
         return self
