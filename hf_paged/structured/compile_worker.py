@@ -91,6 +91,8 @@ class CompileWorker:
                 self.busy_since = None
             return None if reply.get("ok") else str(reply.get("error", "compile failed"))
         finally:
+            if self._closed:  # closed meanwhile: no child outlives it (a replacement may have just started)
+                self._kill()
             self._lock.release()
 
     def close(self) -> None:
