@@ -142,6 +142,7 @@ def _engine_loop(args, max_num_seqs: int):
     if getattr(args, "structured_compile_timeout_s", None) is not None:
         config["structured_compile_timeout_s"] = args.structured_compile_timeout_s
     engine, tokenizer = build_engine(args, **config)
+    engine.warm_structured()  # the grammar compile worker starts now, not on the first structured request
     return AsyncPagedEngine(engine, max_waiting_requests=args.max_waiting_requests), tokenizer
 
 

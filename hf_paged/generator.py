@@ -22,6 +22,7 @@ from hf_paged.executor import Executor
 from hf_paged.executor.multiproc import make_executor
 from hf_paged.executor.setup import check_speculative
 from hf_paged.generator_clients import GeneratorClients
+from hf_paged.generator_structured import StructuredIntake
 from hf_paged.generator_loading import from_pretrained
 from hf_paged.output_processor import OutputProcessor, RequestState
 from hf_paged.outputs import EngineStats, RequestOutput
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 Prompt = str | abc.Sequence[int] | torch.Tensor
 
 
-class PagedGenerator(GeneratorClients):
+class PagedGenerator(GeneratorClients, StructuredIntake):
     """A continuous-batching engine over a HuggingFace causal LM, with a paged KV cache.
 
     Args:
@@ -209,27 +210,6 @@ class PagedGenerator(GeneratorClients):
             state.scores = {}
         return request, state
 
-    def prepare_structured(self, params, cancel: threading.Event | None = None, cached_only: bool = False):
-        """``params`` (SamplingParams or BeamSearchParams) with its structured-output grammar compiled (once per
-        distinct spec), on this thread, within ``structured_compile_timeout_s`` (ValueError past it).
-
-        Args:
-            cancel: Set it from another thread to stop a compile that is no longer wanted (its caller then
-                gets :class:`~hf_paged.structured.compile_worker.CompileCancelled`).
-            cached_only: Compile nothing: set the grammar only if it is cached, else return ``params`` as
-                they are (the server looks up on its request threads and compiles on its compile thread).
-        """
-        from hf_paged.structured.compiler import GrammarCompilerCache, prepare_params
-
-        if self.tokenizer is None:
-            raise ValueError("structured_outputs need the engine's tokenizer: pass tokenizer= to the engine")
-        self._check_usable()  # a closed engine starts no compile worker
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompilerCache(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                                      compile_timeout_s=self.config.structured_compile_timeout_s)
-        return prepare_params(self._grammars, params, cancel, cached_only)
-
     def _check_context(self, prompt_len: int, max_tokens: int) -> None:
         """The server's rule (a 400 there): prompt + max_tokens must fit in max_model_len."""
         room = self.max_model_len - prompt_len
@@ -397,9 +377,7 @@ class PagedGenerator(GeneratorClients):
                 self._abort_beam_search(search)
             self._closed = True
             self.executor.close()
-        with self._grammars_lock:
-            if self._grammars is not None:
-                self._grammars.close()  # its compile worker's child process
+        self._close_grammars()
 
     def __enter__(self) -> PagedGenerator:
         return self

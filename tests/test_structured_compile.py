@@ -47,8 +47,10 @@ def tok():
 def test_the_budget_refuses_a_slow_spec_and_cancel_stops_one(tok):
     cache = GrammarCompilerCache(tok, len(tok), [tok.eos_token_id], compile_timeout_s=1.0)
     try:
-        assert cache.compile(StructuredOutputsParams(json=SMALL)) is not None  # starts the child
+        cache.warm()  # starts the child, without waiting for it
         first = cache.worker.pid
+        assert first is not None and _alive(first)
+        assert cache.compile(StructuredOutputsParams(json=SMALL)) is not None and cache.worker.pid == first
         start = time.monotonic()
         with pytest.raises(ValueError, match=r"structured_compile_timeout_s=1 s.*raise the budget.*"
                                              r"--structured-compile-timeout-s"):

@@ -95,6 +95,15 @@ class CompileWorker:
                 self._kill()
             self._lock.release()
 
+    def warm(self) -> None:
+        """Start the child now if none runs, without waiting for it (a job in progress is left alone)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if self._proc is None and not self._closed:
+                    self._spawn()
+            finally:
+                self._lock.release()
+
     def close(self) -> None:
         """Kill the child and remove its tokenizer file (idempotent). A job running now ends at once with a
         RuntimeError: its caller is not waited for."""

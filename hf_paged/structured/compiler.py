@@ -110,6 +110,11 @@ class GrammarCompilerCache:
                 self._cache.popitem(last=False)
         return compiled
 
+    def warm(self) -> None:
+        """Start the compile worker's child process now (it imports xgrammar: seconds), without waiting."""
+        if self.worker is not None:
+            self.worker.warm()
+
     def close(self) -> None:
         """Stop the compile worker's child process (if any)."""
         if self.worker is not None:
