@@ -126,8 +126,8 @@ class GrammarCompilerCache:
             error = self.worker.check(*source, cancel)
         except CompileTimeout:
             message = (f"compiling this structured_outputs.{params.kind} took longer than "
-                       f"structured_compile_timeout_s={self.worker.timeout_s:g} s, the engine's budget for one grammar, "
-                       "and was stopped. Simplify it (compile time grows steeply with optional properties and string "
+                       f"structured_compile_timeout_s={self.worker.timeout_s:g} s, the engine's budget for one "
+                       "grammar, and was stopped. Simplify it (compile time grows steeply with optional properties and string "
                        "length bounds such as maxLength) or raise the budget: PagedGenerator(..., "
                        "structured_compile_timeout_s=...) or hf-paged serve --structured-compile-timeout-s")
             with self._lock:
