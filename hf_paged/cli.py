@@ -20,6 +20,10 @@ from hf_paged.cli_checks import (  # noqa: F401 - _chat_messages re-exported
 )
 
 
+# A server protects its other clients: a new grammar compiles in a killable child within this budget (a Python
+# caller of PagedGenerator owns its process, and compiles in it unbounded unless it sets structured_compile_timeout_s).
+SERVER_COMPILE_TIMEOUT_S = 20.0
+
 def _params(args):
     from hf_paged.sampling_params import SamplingParams
 
@@ -144,7 +148,10 @@ def _engine_loop(args, max_num_seqs: int):
         config["max_model_len"] = args.max_model_len
     if getattr(args, "speculative_config", None):
         config["speculative_config"] = args.speculative_config
+    if getattr(args, "structured_compile_timeout_s", None) is not None:
+        config["structured_compile_timeout_s"] = args.structured_compile_timeout_s
     engine, tokenizer = build_engine(args, **config)
+    engine.warm_structured()  # the grammar compile worker starts now, not on the first structured request
     return AsyncPagedEngine(engine, max_waiting_requests=args.max_waiting_requests), tokenizer
 
 
@@ -257,6 +264,10 @@ def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -
     p.add_argument("--max-num-seqs", type=_positive_int, default=max_num_seqs, help="most sequences in one batch")
     p.add_argument("--max-waiting-requests", type=_positive_int, default=1024,
                    help="most requests waiting to be scheduled; more are refused (HTTP 503)")
+    p.add_argument("--structured-compile-timeout-s", type=_non_negative_float, default=SERVER_COMPILE_TIMEOUT_S,
+                   help="seconds one new structured-output grammar (JSON schema, regex, grammar) may take to compile; "
+                   "past it the request is a 400 and its compile is stopped; 0: no budget "
+                   f"(default: {SERVER_COMPILE_TIMEOUT_S:g})")
     p.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding as JSON, vLLM\'s keys, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\'')

@@ -89,6 +89,8 @@ def cmd_serve_replicas(args, served_name: str) -> int:
         config["speculative_config"] = args.speculative_config
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         config["kv_cache_dtype"] = args.kv_cache_dtype
+    if getattr(args, "structured_compile_timeout_s", None) is not None:
+        config["structured_compile_timeout_s"] = args.structured_compile_timeout_s
     if args.tensor_parallel_size > 1:  # each replica is a tensor-parallel group
         if args.quantization is not None:
             raise UsageError("--quantization cannot be used with --tensor-parallel-size > 1")

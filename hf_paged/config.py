@@ -18,6 +18,8 @@ from hf_paged.spec_decode.config import SpeculativeConfig
 
 
 DECODE_MODES = ("auto", "native", "static", "cuda_graphs", "inductor")
+# A JSON schema with 800 optional properties compiles in ~6 s on a 2-core dev machine, 1,500 in ~52 s; a
+# "maxLength": 256 string in 2-10 s (docs/structured_output.md): 20 s admits what real tool schemas need.
 
 
 def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -121,6 +123,12 @@ class EngineConfig:
         kv_cache_dtype: How the KV pool stores keys and values (vLLM's key): "auto" (the model's dtype) or
             "int8" (per token-and-head symmetric int8 with an fp32 scale: about 3.8x the tokens of an fp32 pool
             and 1.9x of a bf16 one in the same memory, at a small accuracy cost). See docs/quantization.md.
+        structured_compile_timeout_s: Seconds one new structured-output grammar (JSON schema, regex, grammar,
+            choice) may take to compile. Each new spec is first compiled in a child process that is killed past
+            this budget (the request is then a ValueError, a 400 on the server, naming this setting) or when its
+            caller gives up (a server client that disconnects). None (the default) or 0: compile in the engine's
+            process with no budget and no way to stop it. ``hf-paged serve`` and ``chat`` set 20 s unless told
+            otherwise (``--structured-compile-timeout-s``). See docs/structured_output.md.
     """
 
     block_size: int = 16
@@ -150,6 +158,7 @@ class EngineConfig:
     distributed_timeout: float = 60.0
     kv_cache_dtype: str = "auto"
     quant_activations: str = "float"
+    structured_compile_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
@@ -197,6 +206,12 @@ class EngineConfig:
         ):
             raise ValueError(f"distributed_timeout must be a positive number of seconds, got {self.distributed_timeout!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        timeout = self.structured_compile_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
+            raise TypeError(f"structured_compile_timeout_s must be a number of seconds or None, got {timeout!r}")
+        if timeout is not None and not 0 <= timeout < float("inf"):
+            raise ValueError(f"structured_compile_timeout_s must be a finite number of seconds >= 0 (0 or None: no "
+                             f"budget), got {timeout!r}")
         pw = self.prepack_weights
         if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in PACKING_KINDS)):
             raise ValueError(f"prepack_weights must be None, True, False, {PACKING_KIND_NAMES}, got {self.prepack_weights!r}")

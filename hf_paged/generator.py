@@ -22,6 +22,7 @@ from hf_paged.executor import Executor
 from hf_paged.executor.multiproc import make_executor
 from hf_paged.executor.setup import check_speculative
 from hf_paged.generator_clients import GeneratorClients
+from hf_paged.generator_structured import StructuredIntake
 from hf_paged.generator_loading import from_pretrained
 from hf_paged.output_processor import OutputProcessor, RequestState
 from hf_paged.outputs import EngineStats, RequestOutput
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 Prompt = str | abc.Sequence[int] | torch.Tensor
 
 
-class PagedGenerator(GeneratorClients):
+class PagedGenerator(GeneratorClients, StructuredIntake):
     """A continuous-batching engine over a HuggingFace causal LM, with a paged KV cache.
 
     Args:
@@ -208,18 +209,6 @@ class PagedGenerator(GeneratorClients):
             request.scores = []
             state.scores = {}
         return request, state
-
-    def prepare_structured(self, params):
-        """``params`` (SamplingParams or BeamSearchParams) with its structured-output grammar compiled (once per
-        distinct spec), on this thread."""
-        from hf_paged.structured.compiler import GrammarCompilerCache, prepare_params
-
-        if self.tokenizer is None:
-            raise ValueError("structured_outputs need the engine's tokenizer: pass tokenizer= to the engine")
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompilerCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return prepare_params(self._grammars, params)
 
     def _check_context(self, prompt_len: int, max_tokens: int) -> None:
         """The server's rule (a 400 there): prompt + max_tokens must fit in max_model_len."""
@@ -400,6 +389,7 @@ class PagedGenerator(GeneratorClients):
                 self._abort_beam_search(search)
             self._closed = True
             self.executor.close()
+        self._close_grammars()
 
     def __enter__(self) -> PagedGenerator:
         return self

@@ -288,9 +288,9 @@ def test_a_slow_compile_never_stalls_running_requests(tok, monkeypatch):
         loop.generate("warm", structured(max_tokens=2, choice=["a", "b"]))  # the tokenizer info exists now
         compile_once = GrammarCompilerCache._compile
 
-        def slow(self, params):
+        def slow(self, params, source):
             time.sleep(2.0)
-            return compile_once(self, params)
+            return compile_once(self, params, source)
 
         monkeypatch.setattr(GrammarCompilerCache, "_compile", slow)
         running = loop.add_request("Hello", SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True))

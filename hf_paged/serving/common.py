@@ -80,23 +80,24 @@ class WorkerPool:
     (the metrics' ``requests_rejected_total{reason="queue_full"}``).
     """
 
-    def __init__(self, workers: int = 2, max_pending: int = 1024) -> None:
+    def __init__(self, workers: int = 2, max_pending: int = 1024,
+                 what: str = "requests are being prepared (parsed and tokenized)") -> None:
         for name, value in (("workers", workers), ("max_pending", max_pending)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.workers = workers
         self.max_pending = max_pending
+        self.what = what  # the 503's words for the calls it holds
         self.num_pending = 0  # event-loop thread only
         self.num_rejected = 0  # calls refused because max_pending were admitted (event-loop thread only)
-        self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hf-paged-request")
+        self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hf-paged-worker")
         self._slots: asyncio.Semaphore | None = None  # made in the running event loop
 
     async def run(self, fn, *args):
         """``fn(*args)`` on a worker thread; its result or its exception."""
         if self.num_pending >= self.max_pending:
             self.num_rejected += 1
-            raise QueueFullError(f"{self.num_pending} requests are being prepared (parsed and tokenized) already, "
-                                 f"the limit of this server; retry later")
+            raise QueueFullError(f"{self.num_pending} {self.what} already, the limit of this server; retry later")
         loop = asyncio.get_running_loop()
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.workers)

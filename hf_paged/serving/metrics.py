@@ -75,12 +75,16 @@ class ServingMetrics:
         model_name: The ``model_name`` label on every metric (as vLLM labels them).
         pool: The server's request workers, whose refusals (too many requests being parsed) count as
             ``queue_full`` rejections beside the engine's.
+        compile_pool: The server's grammar compile thread, whose refusals (too many requests waiting for their
+            grammar) count as ``queue_full`` too.
     """
 
-    def __init__(self, engine: AsyncPagedEngine, model_name: str, pool: WorkerPool | None = None) -> None:
+    def __init__(self, engine: AsyncPagedEngine, model_name: str, pool: WorkerPool | None = None,
+                 compile_pool: WorkerPool | None = None) -> None:
         prom = _require()
         self.engine = engine
         self.pool = pool
+        self.compile_pool = compile_pool
         self.model_name = model_name
         self.registry = prom.CollectorRegistry()
         self._stats: EngineStats | None = None
@@ -164,11 +168,13 @@ class _EngineCollector:
             yield family
         rejected = CounterMetricFamily(
             PREFIX + "requests_rejected", "Requests refused when submitted (HTTP 503), by reason: queue_full "
-            "(max_waiting_requests were waiting to be scheduled, or to be parsed) or engine_closed; never counted "
+            "(max_waiting_requests were waiting to be scheduled, or to be parsed, or too many for the grammar compile "
+            "thread) or engine_closed; never counted "
             "as finished.", labels=["model_name", "reason"])
         counts = dict(self.metrics.engine.num_rejected)
-        if self.metrics.pool is not None:
-            counts["queue_full"] = counts.get("queue_full", 0) + self.metrics.pool.num_rejected
+        for pool in (self.metrics.pool, self.metrics.compile_pool):
+            if pool is not None:
+                counts["queue_full"] = counts.get("queue_full", 0) + pool.num_rejected
         for reason, count in counts.items():
             rejected.add_metric([self.metrics.model_name, reason], count)
         yield rejected

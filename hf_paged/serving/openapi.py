@@ -256,7 +256,8 @@ def _schemas() -> dict[str, dict]:
 
 ERRORS = {
     400: "A bad field (named in error.param; code invalid_unicode: text with a lone surrogate), a body that is not "
-         "a JSON object or is nested too deeply.",
+         "a JSON object or is nested too deeply, or an output constraint whose grammar does not compile within the "
+         "server's budget (code grammar_too_complex).",
     401: "A wrong or missing API key (only when the server has one).",
     404: "An unknown model (code model_not_found).",
     413: "A body larger than the server's limit.",

@@ -12,6 +12,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -22,13 +23,14 @@ from hf_paged.serving.http_runner import BackgroundServer, run_server  # noqa: F
 from hf_paged.serving.openapi import install_openapi
 from hf_paged.serving.protocol import APIError, ParsedRequest, ServedModel, check_body, parse_chat, parse_completion
 from hf_paged.serving.responses import chat_logprobs, completion_logprobs, new_id, usage
-from hf_paged.serving.structured import compile_grammar, generation_error
+from hf_paged.serving.structured import compile_grammar, generation_error, needs_compile
 from hf_paged.serving.stream import RequestStream
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_REQUEST_WORKERS = 2  # threads that parse and tokenize request bodies
+DEFAULT_MAX_PENDING_COMPILES = 16  # requests waiting for (or in) the one grammar compile thread; more are 503s
 # SamplingParams fields an engine error message may start with (longest first: "stop_token_ids" before "stop")
 _PARAM_FIELDS = ("stop_token_ids", "max_tokens", "min_tokens", "logprobs", "stop", "seed", "n")
 
@@ -45,7 +47,7 @@ def _require():
 def build_app(
     engine: AsyncPagedEngine, served: ServedModel, *, api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_metrics: bool = True,
-    request_workers: int = DEFAULT_REQUEST_WORKERS,
+    request_workers: int = DEFAULT_REQUEST_WORKERS, max_pending_compiles: int = DEFAULT_MAX_PENDING_COMPILES,
 ):
     """The FastAPI app serving ``engine`` under the OpenAI API.
 
@@ -59,6 +61,10 @@ def build_app(
         request_workers: Threads that parse request bodies, apply the chat template and tokenize, off the
             event loop (so a huge message never stalls other clients). At most ``max_waiting_requests``
             requests wait for them; one more is a 503.
+        max_pending_compiles: Requests whose structured-output grammar is not cached wait for one compile thread
+            (so a big schema never holds up the request workers, and at most one compile at a time takes CPU from
+            the engine); at most this many wait or compile, one more is a 503. A client that disconnects meanwhile
+            stops its compile (see the engine's ``structured_compile_timeout_s``).
     """
     fastapi = _require()
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -69,6 +75,7 @@ def build_app(
     queue = engine.max_waiting_requests
     served = dataclasses.replace(served, max_prompts=min(served.max_prompts or queue, queue))
     pool = WorkerPool(request_workers, queue)
+    compiles = WorkerPool(1, max_pending_compiles, what="requests are waiting for their grammar to compile")
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -76,9 +83,10 @@ def build_app(
             yield
         finally:
             pool.close()
+            compiles.close()
 
     app = fastapi.FastAPI(title="hf_paged OpenAI-compatible server", docs_url=None, redoc_url=None, lifespan=lifespan)
-    metrics = ServingMetrics(engine, served.name, pool) if enable_metrics else None
+    metrics = ServingMetrics(engine, served.name, pool, compiles) if enable_metrics else None
     app.state.engine = engine
     app.state.served = served
     app.state.metrics = metrics
@@ -157,10 +165,14 @@ def build_app(
         raw = await read_body(request)
         parse = parse_chat if kind == "chat" else parse_completion
         try:  # JSON, the chat template and tokenization take time with size: a worker thread runs them
-            parsed = await pool.run(lambda: compile_grammar(engine, parse(parse_json(raw), served)))
+            parsed = await pool.run(lambda: compile_grammar(engine, parse(parse_json(raw), served), cached_only=True))
         except QueueFullError as e:
             raise APIError(str(e), 503, type="server_overloaded", code="queue_full") from e
         del raw
+        if needs_compile(parsed):
+            parsed = await compile_or_leave(request, parsed)
+            if parsed is None:  # the client went away: its compile was stopped
+                return Response(status_code=499)
         rid = new_id(kind)
         streams = submit(parsed, rid)
         created = int(time.time())
@@ -173,6 +185,17 @@ def build_app(
         if results is None:  # the client went away: its requests were aborted
             return Response(status_code=499)
         return JSONResponse(full_response(parsed, rid, created, results))
+
+    async def compile_or_leave(request, parsed: ParsedRequest) -> ParsedRequest | None:
+        """The request with its grammar compiled on the compile thread, or None if the client disconnected
+        first (then its compile is stopped, or never starts)."""
+        cancel = threading.Event()
+        try:
+            return await _until_disconnected(request, compiles.run(compile_grammar, engine, parsed, cancel))
+        except QueueFullError as e:
+            raise APIError(str(e), 503, type="server_overloaded", code="queue_full") from e
+        finally:
+            cancel.set()  # a no-op once it compiled; after a disconnect, it kills the compile
 
     def choice(parsed: ParsedRequest, c, index: int, stream: bool, offset: int = 0, text: str | None = None) -> dict:
         """One choice of a response (``stream``: a chunk's delta), OpenAI's fields in OpenAI's order; a tool

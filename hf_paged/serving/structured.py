@@ -246,20 +246,22 @@ def _functions(tools: Any) -> dict[str, dict]:
     return out
 
 
-def compile_grammar(engine, parsed):
-    """Compile a parsed request's grammar (call it on a worker thread: a slow compile stalls no one); its
-    errors are 400s naming the field that asked for the constraint."""
+def compile_grammar(engine, parsed, cancel=None, cached_only: bool = False):
+    """Compile a parsed request's grammar (call it off the event loop: the server's compile thread; with
+    ``cached_only``, on a request thread, it only sets a cached grammar); its errors are 400s naming the field
+    that asked for the constraint. ``cancel``: a ``threading.Event`` that stops the compile when set."""
     from hf_paged.serving.protocol import APIError
 
     prepare = getattr(getattr(engine, "engine", None), "prepare_structured", None)
     if parsed.params.structured_outputs is None or prepare is None:
         return parsed
     try:
-        parsed.params = prepare(parsed.params)
+        parsed.params = prepare(parsed.params, cancel=cancel, cached_only=cached_only)
     except (ValueError, TypeError) as e:
         message = str(e)
         param = next((f for f in ("min_tokens", "ignore_eos") if f in message), parsed.structured_param)
-        raise APIError(message, 400, param=param) from e
+        code = "grammar_too_complex" if "structured_compile_timeout_s" in message else None
+        raise APIError(message, 400, param=param, code=code) from e
     except ImportError as e:  # the structured extra is not installed
         raise APIError(str(e), 400, param=parsed.structured_param, code="unsupported_parameter") from e
     return parsed
@@ -273,6 +275,12 @@ def generation_error(parsed, message: str | None):
     if message and message.startswith(CONSTRAINT_ERROR):
         return APIError(message, 400, param=parsed.structured_param)
     return APIError(message or "generation failed", 500, type="server_error")
+
+
+def needs_compile(parsed) -> bool:
+    """The request has a constraint whose grammar is not compiled yet."""
+    wanted = parsed.params.structured_outputs
+    return wanted is not None and wanted.compiled is None
 
 
 def template_takes_tools(tokenizer) -> bool:
