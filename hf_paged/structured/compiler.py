@@ -60,6 +60,7 @@ class GrammarCompilerCache:
         self._lock = threading.Lock()
         self.num_compiles = 0
         self._json_mask = None
+        self.worker = CompileWorker(self.info, compile_timeout_s) if compile_timeout_s else None
 
     def json_token_mask(self):
         """int32 bitmask ``[vocab_size / 32]`` of the tokens a JSON output may contain: all but those whose text
@@ -78,7 +79,6 @@ class GrammarCompilerCache:
                 words = np.packbits(bits, bitorder="little").view(np.int32)
                 self._json_mask = torch.from_numpy(words.copy())
             return self._json_mask
-        self.worker = CompileWorker(self.info, compile_timeout_s) if compile_timeout_s else None
 
     def lookup(self, params: StructuredOutputsParams):
         """The cached compiled grammar of ``params``, or None; a spec refused for its compile time raises its
