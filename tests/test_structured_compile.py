@@ -163,7 +163,7 @@ def test_big_schemas_hold_up_neither_streams_nor_plain_requests(server):
 
 def test_a_client_that_leaves_stops_its_compile(server):
     url, loop = server
-    worker = loop.engine._grammars.worker
+    worker = loop.engine._grammar_cache().worker
     worker.timeout_s = 60.0  # only the disconnect can stop it now
     try:
         httpx.post(url + "/v1/completions", json={"model": TINY_NAME, "prompt": "Hi", "max_tokens": 2,

@@ -201,7 +201,7 @@ def test_speculative_decoding_masks_every_verified_position(tok, method):
 def test_masks_allow_exactly_what_the_matcher_accepts(engine, tok):
     from hf_paged.structured.matchers import StructuredMatchers
 
-    compiled = engine._grammars.compile(StructuredOutputsParams(regex="ab|ac"))
+    compiled = engine._grammar_cache().compile(StructuredOutputsParams(regex="ab|ac"))
     matchers = StructuredMatchers()
     matchers.add(7, compiled, engine.eos_token_ids, [])
     logits = torch.zeros(3, engine.vocab_size)
@@ -355,7 +355,7 @@ def test_a_dead_end_under_speculation_and_beam_search_names_the_constraint(tok, 
 
     # verification: the matcher walks the drafts "a", "b" into the dead end: that position is reported, the
     # rows before it are masked
-    compiled = engine._grammars.compile(StructuredOutputsParams(regex=r"ab[^\s\S]"))
+    compiled = engine._grammar_cache().compile(StructuredOutputsParams(regex=r"ab[^\s\S]"))  # built on first use
     matchers = StructuredMatchers()
     matchers.add(7, compiled, engine.eos_token_ids, [], kind="regex")
     a, b = tok.convert_tokens_to_ids("a"), tok.convert_tokens_to_ids("b")
