@@ -17,7 +17,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
 from hf_paged.cache import CACHE_KWARG, PagedCache
-from hf_paged.hf import generate_processors as hooks
+import hf_paged.hf.generate_processors as hooks
 from hf_paged.hf.generate_beam import beam_generate
 from hf_paged.hf.generate_output import FinishedRowScores, assemble
 from hf_paged.outputs import RequestOutput

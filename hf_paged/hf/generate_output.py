@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_paged.hf import generate_processors as hooks
+import hf_paged.hf.generate_processors as hooks
 
 
 @dataclass
