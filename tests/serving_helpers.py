@@ -69,3 +69,35 @@ def tiny_chat_loader():
     """``(tiny_chat_model, default tokenizer)``: what each Ray Serve engine replica of the tests loads."""
     tokenizer = default_tokenizer()
     return tiny_chat_model(tokenizer), tokenizer
+
+
+class StreamTimer:
+    """A streaming request read on a background thread, recording when each data chunk arrived (for the tests
+    that check a running stream keeps its pace while something else happens on the server)."""
+
+    def __init__(self, base_url: str, path: str, body: dict) -> None:
+        import threading
+
+        self.chunk_times: list[float] = []
+        self._started, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(base_url, path, body), daemon=True)
+
+    def _read(self, base_url: str, path: str, body: dict) -> None:
+        import httpx
+
+        with httpx.Client(base_url=base_url, timeout=60) as http, http.stream("POST", path, json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    self.chunk_times.append(time.perf_counter())
+                    self._started.set()
+                if self._stop.is_set():
+                    break
+
+    def start(self) -> StreamTimer:
+        self._thread.start()
+        assert self._started.wait(60), "the stream never started"
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)

@@ -14,7 +14,7 @@ from hf_paged import AsyncPagedEngine, PagedGenerator
 from hf_paged.serving.common import QueueFullError, WorkerPool
 from hf_paged.serving.protocol import ServedModel
 from hf_paged.serving.server import BackgroundServer, build_app
-from tests.serving_helpers import TINY_NAME, default_tokenizer, scrape, tiny_chat_model
+from tests.serving_helpers import TINY_NAME, StreamTimer, default_tokenizer, scrape, tiny_chat_model
 
 DELAY = 2.0  # seconds the slow template takes on a huge message
 HUGE = 3 * 2**20  # characters of the huge message
@@ -51,24 +51,10 @@ def server():
 
 
 def test_a_huge_message_stalls_neither_streams_nor_cheap_requests(server):
-    chunk_times: list[float] = []
-    started, stop = threading.Event(), threading.Event()
-
-    def stream() -> None:
-        body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Tell me a story."}],
-                "max_tokens": 950, "ignore_eos": True, "temperature": 0, "stream": True}
-        with httpx.Client(base_url=server, timeout=60) as http:
-            with http.stream("POST", "/v1/chat/completions", json=body) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        chunk_times.append(time.perf_counter())
-                        started.set()
-                    if stop.is_set():
-                        break
-
-    reader = threading.Thread(target=stream, daemon=True)
-    reader.start()
-    assert started.wait(60), "the stream never started"
+    body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_tokens": 950, "ignore_eos": True, "temperature": 0, "stream": True}
+    timer = StreamTimer(server, "/v1/chat/completions", body).start()
+    chunk_times = timer.chunk_times
     huge: dict = {}
 
     def send_huge() -> None:
@@ -87,8 +73,7 @@ def test_a_huge_message_stalls_neither_streams_nor_cheap_requests(server):
             health.append(time.perf_counter() - t)
             time.sleep(0.02)
     sender.join()
-    stop.set()
-    reader.join(60)
+    timer.stop()
     assert huge["status"] == 400  # too long for the context, after the slow template ran
     assert huge["end"] - huge["start"] >= DELAY
     assert len(health) >= 10 and max(health) < DELAY / 4, f"/health took up to {max(health):.2f} s"

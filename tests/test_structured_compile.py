@@ -25,7 +25,7 @@ from hf_paged.config import EngineConfig  # noqa: E402
 from hf_paged.structured.compile_worker import CompileCancelled  # noqa: E402
 from hf_paged.structured.compiler import GrammarCompilerCache  # noqa: E402
 from hf_paged.structured_params import StructuredOutputsParams  # noqa: E402
-from tests.serving_helpers import TINY_NAME, default_tokenizer, serve, tiny_chat_model  # noqa: E402
+from tests.serving_helpers import TINY_NAME, StreamTimer, default_tokenizer, serve, tiny_chat_model  # noqa: E402
 
 
 def slow_schema(prefix: str) -> dict:
@@ -112,23 +112,10 @@ def test_big_schemas_hold_up_neither_streams_nor_plain_requests(server):
     """Two clients send a schema over the budget while a stream runs; a plain request sent meanwhile answers at
     its normal pace (before, both request workers compiled for the schemas' whole ~12 s and it waited for one)."""
     url, _ = server
-    chunk_times: list[float] = []
-    started, stop = threading.Event(), threading.Event()
-
-    def stream() -> None:
-        body = {"model": TINY_NAME, "prompt": "Once", "max_tokens": 900, "ignore_eos": True, "temperature": 0,
-                "stream": True}
-        with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/completions", json=body) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    chunk_times.append(time.perf_counter())
-                    started.set()
-                if stop.is_set():
-                    break
-
-    reader = threading.Thread(target=stream, daemon=True)
-    reader.start()
-    assert started.wait(60), "the stream never started"
+    body = {"model": TINY_NAME, "prompt": "Once", "max_tokens": 900, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    timer = StreamTimer(url, "/v1/completions", body).start()
+    chunk_times = timer.chunk_times
     plain = {"model": TINY_NAME, "prompt": "Hello", "max_tokens": 4}
     t = time.perf_counter()
     assert httpx.post(url + "/v1/completions", json=plain, timeout=60).status_code == 200
@@ -148,8 +135,7 @@ def test_big_schemas_hold_up_neither_streams_nor_plain_requests(server):
     for sender in senders:
         sender.join(60)
     big_end = time.perf_counter()
-    stop.set()
-    reader.join(60)
+    timer.stop()
     assert during < max(1.5, 5 * alone), f"a plain request took {during:.2f} s during the compile ({alone:.2f} s alone)"
     assert [r.status_code for r in results] == [400, 400]
     error = results[0].json()["error"]
