@@ -121,9 +121,6 @@ class Sequence:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     @property
     def is_finished(self) -> bool:
         return self.status.finished

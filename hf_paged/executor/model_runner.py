@@ -220,7 +220,7 @@ class ModelRunner:
             self._verify(logits, verify_items, result, scores)
         result.scores = scores
         proposing = [item for item in sampled if item.propose and item.seq_id in result.sampled_token_ids]
-        if self.speculator is not None and proposing:
+        if proposing:
             states = [self.states[item.seq_id] for item in proposing]
             result.spec_token_ids = self.speculator.propose(states, self.max_model_len, proposing,
                                                             self.block_tables.lists)
