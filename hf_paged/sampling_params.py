@@ -20,6 +20,18 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 
+def _check_stop_token_ids(value: object) -> list[int] | None:
+    """None, or ``value`` as a list of non-negative ints (any iterable of them but a str or bytes)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"stop_token_ids must be a list of ints, got {value!r}")
+    ids = list(value)
+    for tok in ids:
+        _check_int("stop_token_ids entry", tok, 0)
+    return ids
+
+
 # float32's smallest normal and largest values: a penalty outside them becomes 0 or inf in the logits' dtype,
 # and 0 turns a masked logit (-inf * 0) into NaN
 FLOAT32_TINY = 1.1754943508222875e-38
@@ -129,12 +141,7 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
-        if self.stop_token_ids is not None:
-            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
-                raise TypeError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
-            self.stop_token_ids = list(self.stop_token_ids)
-            for tok in self.stop_token_ids:
-                _check_int("stop_token_ids entry", tok, 0)
+        self.stop_token_ids = _check_stop_token_ids(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
@@ -221,12 +228,7 @@ class BeamSearchParams:
         _check_int("num_return_sequences", self.num_return_sequences, 1, self.beam_width)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.stop_token_ids is not None:
-            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
-                raise TypeError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
-            self.stop_token_ids = list(self.stop_token_ids)
-            for tok in self.stop_token_ids:
-                _check_int("stop_token_ids entry", tok, 0)
+        self.stop_token_ids = _check_stop_token_ids(self.stop_token_ids)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
         _check_penalty(self.repetition_penalty)
