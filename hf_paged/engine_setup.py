@@ -58,6 +58,15 @@ def token_ids(prompt, tokenizer, vocab_size: int) -> tuple[list[int], str | None
     return out, text
 
 
+def token_id_list(value) -> list[int]:
+    """A token-id setting (``eos_token_id`` and the like: None, one int, a list, or a tensor) as a list of ints."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.flatten().tolist()]
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
 def eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
     eos = None
     gen_cfg = getattr(model, "generation_config", None)
@@ -67,9 +76,7 @@ def eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
         eos = getattr(model.config, "eos_token_id", None)
     if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset(token_id_list(eos))
 
 
 def _is_token_id(value) -> bool:

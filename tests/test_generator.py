@@ -329,3 +329,27 @@ def test_default_pool_sizing_from_memory():
 
 def test_public_api_exports():
     assert hf_paged.PagedGenerator is PagedGenerator and hf_paged.SamplingParams is SamplingParams
+
+
+def test_token_id_list_reads_every_form_of_a_token_id_setting():
+    from hf_paged.engine_setup import token_id_list
+
+    assert token_id_list(None) == []
+    assert token_id_list(2) == [2]
+    assert token_id_list([2, 5]) == [2, 5]
+    assert token_id_list(torch.tensor([[7], [9]])) == [7, 9]
+    assert all(type(t) is int for t in token_id_list(torch.tensor([7, 9])))
+
+
+def test_eos_token_ids_come_from_the_generation_config_then_the_tokenizer():
+    from types import SimpleNamespace
+
+    from hf_paged.engine_setup import eos_token_ids
+
+    model = make_model("llama")
+    model.generation_config.eos_token_id = [3, torch.tensor(4).item()]
+    assert eos_token_ids(model, None) == frozenset({3, 4})
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    assert eos_token_ids(model, SimpleNamespace(eos_token_id=6)) == frozenset({6})
+    assert eos_token_ids(model, None) == frozenset()

@@ -14,6 +14,7 @@ from hf_paged.bench.common import (
 )
 from hf_paged.bench.serve import serve
 from hf_paged.default_model import load_default, parse_dtype
+from hf_paged.engine_setup import token_id_list
 
 ENGINE = "hf_paged"
 EAGER = "eager"  # --systems name of the engine run with enforce_eager=True (chat, latency)
@@ -113,7 +114,7 @@ def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, 
     model, tok = load_default(parse_dtype(dtype))
     messages = load_chat_messages()
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in messages]
-    eos = {tok.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
+    eos = {tok.eos_token_id} | set(token_id_list(model.generation_config.eos_token_id))
     limits = [128] * len(prompts)
     want = systems or set(SYSTEMS["chat"])
     results = []
@@ -322,12 +323,6 @@ def fork_blocks(model, prompt: list[int], n: int = 8, new_tokens: int = 32) -> d
         peaks[label] = peak
     peaks["ratio"] = round(peaks["n=8"] / peaks["8 separate"], 3)
     return peaks
-
-
-def _as_list(x) -> list[int]:
-    if x is None:
-        return []
-    return [x] if isinstance(x, int) else list(x)
 
 
 def _spec(**kw):

@@ -17,6 +17,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
 from hf_paged.cache import CACHE_KWARG, PagedCache
+from hf_paged.engine_setup import token_id_list
 import hf_paged.hf.generate_processors as hooks
 from hf_paged.hf.generate_beam import beam_generate
 from hf_paged.hf.generate_output import FinishedRowScores, assemble
@@ -198,16 +199,8 @@ def _fallback(model, reasons: list[str], stock_args: dict, gen_cfg: GenerationCo
 def _pad_id(gen_cfg: GenerationConfig) -> int:
     if gen_cfg.pad_token_id is not None:
         return int(gen_cfg.pad_token_id)
-    eos = _as_list(gen_cfg.eos_token_id)
+    eos = token_id_list(gen_cfg.eos_token_id)
     return eos[0] if eos else 0
-
-
-def _as_list(x) -> list[int]:
-    if x is None:
-        return []
-    if isinstance(x, torch.Tensor):
-        return [int(v) for v in x.flatten().tolist()]
-    return [int(x)] if isinstance(x, int) else [int(v) for v in x]
 
 
 def _attention_mask(gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: torch.Tensor) -> torch.Tensor:
@@ -217,7 +210,7 @@ def _attention_mask(gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: to
             raise ValueError(f"attention_mask shape {tuple(mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
         return mask.bool()
     # Stock's inference: pad tokens are masked when pad is set, present, and not also the EOS token.
-    pad, eos = gen_cfg.pad_token_id, _as_list(gen_cfg.eos_token_id)
+    pad, eos = gen_cfg.pad_token_id, token_id_list(gen_cfg.eos_token_id)
     if pad is not None and bool((input_ids == pad).any()) and pad not in eos:
         return input_ids != pad
     return torch.ones_like(input_ids, dtype=torch.bool)
@@ -271,7 +264,7 @@ def _add_rows(
 ) -> list[_Row]:
     prompts = _prompts(gen_cfg, model_kwargs, input_ids)
     min_new = _min_new(gen_cfg, input_ids.shape[1])
-    eos = _as_list(gen_cfg.eos_token_id)
+    eos = token_id_list(gen_cfg.eos_token_id)
     stop = gen_cfg.stop_strings
     tokenizer = model_kwargs.get("tokenizer")
     if stop is not None and tokenizer is None and engine.tokenizer is None:

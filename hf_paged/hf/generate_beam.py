@@ -6,21 +6,14 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
+from hf_paged.engine_setup import token_id_list
 from hf_paged.sampling_params import BeamSearchParams
-
-
-def _as_list(x) -> list[int]:
-    if x is None:
-        return []
-    if isinstance(x, torch.Tensor):
-        return [int(v) for v in x.flatten().tolist()]
-    return [int(x)] if isinstance(x, int) else [int(v) for v in x]
 
 
 def fill_token_id(gen_cfg: GenerationConfig) -> int:
     """What stock beam search writes after a finished beam: the pad token when it is nonzero, else the first
     EOS token (stock's ``pad or eos[0]``), and -1 without EOS."""
-    eos = _as_list(gen_cfg.eos_token_id)
+    eos = token_id_list(gen_cfg.eos_token_id)
     if not eos:
         return -1
     return int(gen_cfg.pad_token_id) if gen_cfg.pad_token_id else eos[0]
@@ -29,7 +22,7 @@ def fill_token_id(gen_cfg: GenerationConfig) -> int:
 def beam_generate(
     engine, gen_cfg: GenerationConfig, prompts: list[list[int]], input_ids: torch.Tensor, max_new: int, min_new: int
 ):
-    eos = _as_list(gen_cfg.eos_token_id)
+    eos = token_id_list(gen_cfg.eos_token_id)
     n_return = gen_cfg.num_return_sequences or 1
     params = BeamSearchParams(
         beam_width=gen_cfg.num_beams,
