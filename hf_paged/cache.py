@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerationMixin
 
 from hf_paged.core.kv_cache_manager import BlockCopies, cdiv
+from hf_paged.model_config import text_config
 from hf_paged.core.row_tables import RowTables
 from hf_paged.kv_pool import copy_blocks
 
@@ -108,8 +109,7 @@ class PagedCache(Cache):
             _check_int("max_tokens", max_tokens, 1)
             num_blocks = cdiv(max_tokens, block_size)
         super().__init__(layers=[])
-        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self._num_layers = max(1, int(getattr(text_config, "num_hidden_layers", 1) or 1))
+        self._num_layers = max(1, int(getattr(text_config(model), "num_hidden_layers", 1) or 1))
         self.block_size = block_size
         self.tables = RowTables(block_size, num_blocks)
         # layer_idx -> (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim] like the engine's

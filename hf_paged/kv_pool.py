@@ -13,6 +13,7 @@ import torch
 
 from hf_paged.attention import METADATA_KWARG, KVLayoutProbe
 from hf_paged.kernels.kv_quant import check_kv_cache_dtype, row_size
+from hf_paged.model_config import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def _check_probe(model: torch.nn.Module, probe: KVLayoutProbe) -> None:
             f"{name}: {probe.modules[repeated[0]]} calls the attention function {probe.calls[repeated[0]]} times "
             "per layer (e.g. differential attention); hf_paged keeps one KV pool per layer and supports one call"
         )
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model)
     num_layers = getattr(cfg, "num_hidden_layers", None)
     n = max(max(probe.layers) + 1, num_layers or 0)
     missing = sorted(set(range(n)) - set(probe.layers))

@@ -21,6 +21,7 @@ from hf_paged.default_model import load_model
 from hf_paged.executor.decode_buckets import DecodeBuckets, resolve_mode
 from hf_paged.executor.input_batch import BlockTables
 from hf_paged.kv_pool import KVPool, decide_num_blocks, probe_kv_layout
+from hf_paged.model_config import text_config
 from hf_paged.spec_decode.draft_model import DraftModelProposer
 from hf_paged.spec_decode.ngram import NgramProposer
 
@@ -200,7 +201,7 @@ def make_proposer(spec, runner, max_model_len: int):
 
 
 def max_positions(model: torch.nn.Module) -> int | None:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(cfg, name, None)
         if isinstance(value, int) and value > 0:

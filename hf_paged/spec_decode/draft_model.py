@@ -23,6 +23,7 @@ import torch
 from hf_paged import model_patches
 from hf_paged.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from hf_paged.kv_pool import KVPool, copy_blocks, probe_kv_layout
+from hf_paged.model_config import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +159,7 @@ def _check_compatible(target: torch.nn.Module, draft: torch.nn.Module, max_model
         raise ValueError(f"the draft model's vocabulary ({d_vocab} tokens) differs from the target's ({t_vocab})")
     if next(draft.parameters()).device != next(target.parameters()).device:
         raise ValueError("the draft model must be on the target's device")
-    cfg = draft.config.get_text_config() if hasattr(draft.config, "get_text_config") else draft.config
-    draft_len = getattr(cfg, "max_position_embeddings", None)
+    draft_len = getattr(text_config(draft), "max_position_embeddings", None)
     if isinstance(draft_len, int) and draft_len < max_model_len:
         raise ValueError(
             f"the draft model handles {draft_len} positions, fewer than the engine's max_model_len={max_model_len}; "
