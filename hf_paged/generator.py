@@ -18,8 +18,7 @@ from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
 from hf_paged.core.scheduler_output import SchedulerOutput
 from hf_paged.engine_setup import eos_token_ids, token_ids
-from hf_paged.executor import Executor
-from hf_paged.executor.multiproc import make_executor
+from hf_paged.executor import Executor, make_executor
 from hf_paged.executor.setup import check_speculative
 from hf_paged.generator_clients import GeneratorClients
 from hf_paged.generator_structured import StructuredIntake
@@ -100,26 +99,26 @@ class PagedGenerator(GeneratorClients, StructuredIntake):
         self.num_steps = 0
         self._finished_states = self.outputs.finished_queues  # finished requests whose queue is not read yet
 
-    # -- what the execution layer chose (read-only views) ---------------------------------------------
+    # -- what the execution layer chose (read-only views of Executor.describe()) ---------------------
     @property
     def pool(self):
         """The KV pool (:class:`~hf_paged.kv_pool.KVPool`)."""
-        return self.executor.pool
+        return self.executor.describe().pool
 
     @property
     def backend(self) -> str:
         """The attention backend in use: "cpu", "torch" or "triton"."""
-        return self.executor.backend
+        return self.executor.describe().backend
 
     @property
     def packed(self):
         """The model's packed linears (:class:`~hf_paged.cpu.packed_model.PackedLinears`), or None."""
-        return self.executor.packed
+        return self.executor.describe().packed
 
     @property
     def fused(self):
         """The model's fused decoder layers (:class:`~hf_paged.cpu.fused_layers.FusedLayers`), or None."""
-        return self.executor.fused
+        return self.executor.describe().fused
 
     # -- intake -------------------------------------------------------------------------------------
     def add_request(

@@ -16,14 +16,13 @@ import torch
 import transformers
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.bench.common import machine_info
+from hf_paged.bench.common import machine_info, patched
+from hf_paged.executor.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
 
 
-def _timed(owner, name: str, totals: dict) -> None:
-    fn = getattr(owner, name)
-
+def _timer(fn, name: str, totals: dict):
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         try:
@@ -31,7 +30,7 @@ def _timed(owner, name: str, totals: dict) -> None:
         finally:
             totals[name] += time.perf_counter() - start
 
-    setattr(owner, name, wrapper)
+    return wrapper
 
 
 def _tiny_model(max_positions: int) -> torch.nn.Module:
@@ -51,30 +50,29 @@ def measure(num_seqs: int = 128, context: int = 8192, steps: int = 32) -> dict:
         model, max_num_seqs=num_seqs, block_size=BLOCK_SIZE, max_model_len=max_len,
         num_blocks=num_seqs * (max_len // BLOCK_SIZE + 2), max_num_batched_tokens=16384, enable_prefix_caching=True,
     )
-    runner = getattr(engine, "executor", engine).runner
     vocab = model.config.vocab_size
 
-    def no_math(step, model=None):  # zero logits at the sampled rows; the batch is still packed as for a forward
+    def no_math(runner, step, model=None):  # zero logits at the sampled rows; the batch is still packed as for a forward
         inputs = getattr(step, "inputs", step)
         return torch.zeros(inputs.logits_indices.shape[0], vocab)
 
-    runner.compute_logits = no_math
-    rng = random.Random(0)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    for _ in range(num_seqs):
-        engine.add_request([rng.randrange(vocab) for _ in range(context)], params)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
-        engine.step()  # prefill (chunked)
-    engine.step()
     totals: dict[str, float] = defaultdict(float)
-    _timed(engine.scheduler, "schedule", totals)
-    _timed(engine.scheduler, "update", totals)
-    _timed(runner, "prepare", totals)
-    _timed(runner, "execute", totals)
-    start = time.perf_counter()
-    for _ in range(steps):
+    with patched(ModelRunner, compute_logits=no_math):
+        rng = random.Random(0)
+        params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+        for _ in range(num_seqs):
+            engine.add_request([rng.randrange(vocab) for _ in range(context)], params)
+        while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
+            engine.step()  # prefill (chunked)
         engine.step()
-    total = time.perf_counter() - start
+        for name in ("schedule", "update"):
+            setattr(engine.scheduler, name, _timer(getattr(engine.scheduler, name), name, totals))
+        with patched(ModelRunner, prepare=_timer(ModelRunner.prepare, "prepare", totals),
+                     execute=_timer(ModelRunner.execute, "execute", totals)):
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            total = time.perf_counter() - start
     engine.close()
     ms = lambda s: round(1000 * s / steps, 3)  # noqa: E731
     return {

@@ -14,8 +14,9 @@ import json
 import time
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.bench.common import machine_info
+from hf_paged.bench.common import machine_info, patched
 from hf_paged.default_model import load_default, parse_dtype
+from hf_paged.structured.matchers import StructuredMatchers
 from hf_paged.structured_params import StructuredOutputsParams
 
 RECORD_SCHEMA = {
@@ -41,12 +42,16 @@ def record_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 class _GrammarClock:
-    """Wraps the runner's matcher operations with a timer (seconds spent in grammar work during the steps)."""
+    """Timers for the grammar matchers' operations (seconds spent in grammar work during the steps), installed
+    on :class:`StructuredMatchers` while :meth:`installed` is open."""
 
-    def __init__(self, matchers) -> None:
+    NAMES = ("mask", "mask_verify", "accept", "fork", "add")
+
+    def __init__(self) -> None:
         self.seconds = 0.0
-        for name in ("mask", "mask_verify", "accept", "fork", "add"):
-            setattr(matchers, name, self._timed(getattr(matchers, name)))
+
+    def installed(self):
+        return patched(StructuredMatchers, **{name: self._timed(getattr(StructuredMatchers, name)) for name in self.NAMES})
 
     def _timed(self, fn):
         @functools.wraps(fn)
@@ -67,24 +72,25 @@ def _run(model, tok, prompts, structured: bool, max_tokens: int) -> dict:
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, structured_outputs=wanted)
               for i in range(len(prompts))]
     engine.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up (and the one compile)
-    clock = _GrammarClock(engine.executor.runner.structured)
+    clock = _GrammarClock()
     for prompt, p in zip(prompts, params):
         engine.add_request(prompt, p)
     outs, steps, step_seconds = {}, 0, 0.0
     full = [0.0, 0.0]  # step and grammar seconds of the decode steps that run every request (batch 64)
-    while engine.has_unfinished_requests():
-        full_batch = len(engine.scheduler.running) == len(prompts) and steps > 0
-        grammar_before = clock.seconds
-        start = time.perf_counter()
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-        took = time.perf_counter() - start
-        step_seconds += took
-        steps += 1
-        if full_batch:
-            full[0] += took
-            full[1] += clock.seconds - grammar_before
+    with clock.installed():
+        while engine.has_unfinished_requests():
+            full_batch = len(engine.scheduler.running) == len(prompts) and steps > 0
+            grammar_before = clock.seconds
+            start = time.perf_counter()
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out
+            took = time.perf_counter() - start
+            step_seconds += took
+            steps += 1
+            if full_batch:
+                full[0] += took
+                full[1] += clock.seconds - grammar_before
     engine.close()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs.values())
     valid = 0

@@ -6,6 +6,10 @@ this process; :class:`~hf_paged.executor.multiproc.TensorParallelExecutor` runs 
 the same calls (rank 0 broadcasts the scheduler output, every rank runs its shard's step). Whatever the execution layer changes on the model
 (the "hf_paged" attention, packed linears, fused layers) it takes when built and gives back in :meth:`close`,
 or when garbage-collected.
+
+Code outside ``hf_paged/executor/`` uses an executor only through :class:`Executor`'s contract (the names in
+:attr:`Executor.CONTRACT`); ``tests/test_executor_contract.py`` checks that nothing reaches past it (to the
+model runner or what it holds).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import abc
 import logging
 import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,20 +34,75 @@ from hf_paged.executor.setup import (
     build_pool, make_fast_runner, make_proposer, maybe_fuse, maybe_prepack, maybe_quantize, release_model,
 )
 from hf_paged.kernels import resolve_backend
+from hf_paged.kv_pool import KVPool
 from hf_paged.sampling import Sampler
+
+if TYPE_CHECKING:
+    from hf_paged.cpu.fused_layers import FusedLayers
+    from hf_paged.cpu.packed_model import PackedLinears
+    from hf_paged.cpu.quantize_model import QuantizedLinears
 
 logger = logging.getLogger(__name__)
 
 
-class Executor(abc.ABC):
-    """What the engine needs from the execution layer, whatever runs it."""
+@dataclass(frozen=True)
+class ExecutorSetup:
+    """What an executor built at start, as it is now. Live objects that the executor owns: read them, never
+    change them (after :meth:`Executor.close` the layer objects read None).
 
+    Attributes:
+        pool: The KV pool (:class:`~hf_paged.kv_pool.KVPool`; under tensor parallelism, rank 0's: its KV heads).
+        backend: The attention backend in use: "cpu", "torch" or "triton".
+        packed: The model's packed linears, or None.
+        fused: The model's fused decoder layers, or None.
+        quantized: The model's quantized linears and their activation mode, or None.
+    """
+
+    pool: KVPool
+    backend: str
+    packed: PackedLinears | None = None
+    fused: FusedLayers | None = None
+    quantized: QuantizedLinears | None = None
+
+
+class Executor(abc.ABC):
+    """What the engine needs from the execution layer, whatever runs it.
+
+    This is the whole contract: code outside ``hf_paged/executor/`` uses the names in :attr:`CONTRACT` and
+    nothing else (not the model runner, nor what it holds). The attributes are set when the executor is built
+    and are read-only for callers.
+
+    Attributes:
+        model: The model the engine serves: the caller's model in one process, rank 0's shard under tensor
+            parallelism. The engine reads its config and embeddings; ``unwrap`` gives it back.
+        max_model_len: The longest sequence (prompt + output) a step may hold.
+        num_blocks: Blocks of the KV pool (the scheduler's block manager gets as many).
+        num_host_blocks: Blocks of the host (swap) pool.
+        failure: Why this executor can run no more steps, in one short line for clients (no library paths), or
+            None while it can. Set once, for good (a tensor-parallel group whose rank died); every later step
+            raises.
+        comm_seconds: Seconds spent sending steps to other ranks (0 in one process; the all-reduces inside
+            the forward are counted by :data:`hf_paged.executor.tensor_parallel.COMM`).
+    """
+
+    # the names callers may use (tests/test_executor_contract.py holds code outside the package to them)
+    CONTRACT = frozenset({
+        "model", "max_model_len", "num_blocks", "num_host_blocks", "failure", "comm_seconds",
+        "describe", "check_health", "execute_model", "add_proposer", "has_proposer", "weights_changed",
+        "watches_weights", "close",
+    })
+
+    model: torch.nn.Module
     max_model_len: int
     num_blocks: int
     num_host_blocks: int
-    # Why this executor can run no more steps, in one short line for clients (no library paths), or None while
-    # it can. Set once, for good (a tensor-parallel group whose rank died); every later step raises.
     failure: str | None = None
+    comm_seconds: float = 0.0
+
+    @abc.abstractmethod
+    def describe(self) -> ExecutorSetup:
+        """What this executor built at start (its KV pool, attention backend, packed, fused and quantized
+        layers), as they are now."""
 
     def check_health(self) -> str | None:
         """Look for a failure between steps (cheap: a tensor-parallel group checks its worker processes) and
@@ -57,7 +118,8 @@ class Executor(abc.ABC):
         """Make the speculative proposer for ``spec`` under ``key`` (once per distinct configuration)."""
 
     @abc.abstractmethod
-    def has_proposer(self, key: str) -> bool: ...
+    def has_proposer(self, key: str) -> bool:
+        """Whether the proposer under ``key`` was made (:meth:`add_proposer`)."""
 
     @abc.abstractmethod
     def weights_changed(self) -> None:
@@ -109,8 +171,16 @@ class UniProcExecutor(Executor):
         self._release = weakref.finalize(self, release_model, model, self.packed is not None, self.fused is not None,
                                          self.quantized is not None)
 
+    def describe(self) -> ExecutorSetup:
+        return ExecutorSetup(self.pool, self.backend, self.packed, self.fused, self.quantized)
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
+
+    def execute_forward(self, out: SchedulerOutput) -> None:
+        """A tensor-parallel worker rank's step: the block moves and the forward of :meth:`execute_model` (its
+        collectives meet rank 0's), without sampling (rank 0 samples)."""
+        self.runner.execute_forward(out)
 
     def add_proposer(self, key: str, spec) -> None:
         self.runner.speculator.add(key, make_proposer(spec, self.runner, self.max_model_len))

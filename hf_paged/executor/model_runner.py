@@ -134,6 +134,12 @@ class ModelRunner:
         logits = runner.run(step)
         return self.eager.run(step) if logits is None else logits
 
+    def draft_logits(self, batch: list[ScheduledSequence], kv_caches, tables: dict[int, list[int]],
+                     model: torch.nn.Module) -> torch.Tensor:
+        """A draft step for a proposer (:data:`~hf_paged.spec_decode.draft_model.DraftForward`): ``batch`` packed
+        over ``kv_caches`` with ``tables``, logits ``[N, V]`` at its sampled rows from ``model``'s eager forward."""
+        return self.compute_logits(self.prepare_batch(batch, kv_caches, tables), model)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: take the scheduler's diffs, move blocks as scheduled, forward, sample."""

@@ -37,7 +37,8 @@ import torch.multiprocessing as mp
 
 from hf_paged.config import EngineConfig
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from hf_paged.executor.executor import Executor, UniProcExecutor
+from hf_paged.executor.executor import Executor, ExecutorSetup, UniProcExecutor
+from hf_paged.executor.factory import make_executor  # noqa: F401 - its old home, still importable
 from hf_paged.executor.process_group import (  # noqa: F401 - TensorParallelError re-exported
     TensorParallelError, die_with_parent, free_port, init_group, launched, rank_places,
 )
@@ -115,7 +116,7 @@ def run_worker(source: ModelSource, cfg: EngineConfig, rank: int, world: int, in
             dist.broadcast_object_list(box, src=0)
             if box[0] is None:
                 break
-            executor.runner.execute_forward(box[0])
+            executor.execute_forward(box[0])
     except BaseException as e:  # noqa: BLE001 - reported to rank 0 where it can still listen
         if conn is not None:
             with contextlib.suppress(Exception):
@@ -197,10 +198,7 @@ class TensorParallelExecutor(Executor):
                 raise TensorParallelError(self._worker_errors() or str(e)) from None
             raise
         self.model = self.inner.model
-        self.runner = self.inner.runner
-        self.pool = self.inner.pool
-        self.backend = self.inner.backend
-        self.packed, self.fused, self.quantized = self.inner.packed, self.inner.fused, None
+        self.runner = self.inner.runner  # rank 0's model runner: for white-box tests, not part of the contract
         self.max_model_len = self.inner.max_model_len
         self.num_blocks = self.inner.num_blocks
         self.num_host_blocks = self.inner.num_host_blocks
@@ -308,6 +306,10 @@ class TensorParallelExecutor(Executor):
         self._shutdown(broadcast=False)
         raise TensorParallelError(f"the tensor-parallel engine failed and is shut down: {summary}") from cause
 
+    def describe(self) -> ExecutorSetup:
+        """Rank 0's part (every rank built the same from the same settings, over its own shard)."""
+        return dataclasses.replace(self.inner.describe(), quantized=None)
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._check_alive()
         try:
@@ -371,12 +373,3 @@ def _first_line(error: BaseException) -> str:
     messages with ``[/path/to/pair.cc:537]``), at most 160 characters."""
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0][:160]
-
-
-def make_executor(model, cfg: EngineConfig) -> Executor:
-    """The executor for ``cfg``: this process, or a tensor-parallel group."""
-    if cfg.tensor_parallel_size > 1:
-        return TensorParallelExecutor(model, cfg)
-    if isinstance(model, (ModelSource, str, os.PathLike)):
-        raise TypeError("a model path or source needs tensor_parallel_size > 1; load the model first (load_model)")
-    return UniProcExecutor(model, cfg)

@@ -197,7 +197,8 @@ def make_proposer(spec, runner, max_model_len: int):
     draft = spec.model
     if isinstance(draft, str) and spec.self_draft_layers is None:
         draft, _ = load_model(draft, dtype=next(runner.model.parameters()).dtype, device=runner.device)
-    return DraftModelProposer(runner, None if spec.self_draft_layers else draft, spec.self_draft_layers, max_model_len)
+    return DraftModelProposer(runner.model, runner.pool, runner.draft_logits, None if spec.self_draft_layers else draft,
+                              spec.self_draft_layers, max_model_len)
 
 
 def max_positions(model: torch.nn.Module) -> int | None:

@@ -17,6 +17,7 @@ when it verifies them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -62,30 +63,39 @@ def _shallow(module: torch.nn.Module) -> torch.nn.Module:
     return copy
 
 
+# (batch, kv_caches, tables, model) -> logits [N, V] at the batch's sampled rows: the batch packed over those KV
+# caches with those block tables (seq id -> block ids) and run eagerly through ``model``
+DraftForward = Callable[[list[ScheduledSequence], list, dict[int, list[int]], torch.nn.Module], torch.Tensor]
+
+
 class DraftModelProposer:
     """Greedy drafts from a draft model (see the module docstring).
 
     Args:
-        runner: The engine's model runner (batch packing and forwards).
+        target: The engine's model.
+        target_pool: The engine's KV pool (a draft model's pool copies its format, block size and block count;
+            ``self_layers`` drafts in it).
+        forward: Runs a draft step (:data:`DraftForward`; the model runner's ``draft_logits``).
         draft: A causal LM with the target's vocabulary; None with ``self_layers``.
         self_layers: Draft with the target's first this-many layers instead.
         max_model_len: The engine's longest sequence; a draft model must handle it.
     """
 
-    def __init__(self, runner, draft: torch.nn.Module | None, self_layers: int | None, max_model_len: int) -> None:
-        self.runner = runner
-        target = runner.model
+    def __init__(self, target: torch.nn.Module, target_pool: KVPool, forward: DraftForward,
+                 draft: torch.nn.Module | None, self_layers: int | None, max_model_len: int) -> None:
+        self.forward = forward
+        self.block_size = target_pool.block_size
         self.shares_target_kv = self_layers is not None
         if self.shares_target_kv:
             self.model = truncated_view(target, self_layers)
-            self.kv_caches = runner.pool.kv_caches
+            self.kv_caches = target_pool.kv_caches
             self.pool = None
         else:
             _check_compatible(target, draft, max_model_len)
             model_patches.acquire_attention(draft)
             try:
-                specs = probe_kv_layout(draft, runner.pool.kv_cache_dtype)  # the target's pool format
-                self.pool = KVPool(specs, runner.pool.num_blocks, runner.pool.block_size, runner.pool.device)
+                specs = probe_kv_layout(draft, target_pool.kv_cache_dtype)  # the target's pool format
+                self.pool = KVPool(specs, target_pool.num_blocks, target_pool.block_size, target_pool.device)
             except BaseException:
                 model_patches.release_attention(draft)
                 raise
@@ -113,7 +123,7 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, states, num_tokens: list[int], tables: dict[int, list[int]]) -> list[list[int]]:
-        bs = self.runner.block_size
+        bs = self.block_size
         jobs = []  # (state, tokens, k, table)
         for state, k in zip(states, num_tokens):
             table = tables.get(state.seq_id)
@@ -143,8 +153,7 @@ class DraftModelProposer:
         return [drafts.get(state.seq_id, []) for state in states]
 
     def _greedy(self, batch: list[ScheduledSequence], tables: dict[int, list[int]]) -> list[int]:
-        inputs = self.runner.prepare_batch(batch, self.kv_caches, tables)
-        return self.runner.compute_logits(inputs, self.model).argmax(dim=-1).tolist()
+        return self.forward(batch, self.kv_caches, tables, self.model).argmax(dim=-1).tolist()
 
 
 def _out_rows(head: torch.nn.Module) -> int:
