@@ -76,6 +76,38 @@ def test_greedy_parity_with_stock_generate_and_one_process(arch):
     engine.close()
 
 
+@pytest.mark.parametrize("arch,settings", [
+    ("llama", dict(quantization="int8")),
+    ("qwen2", dict(quantization="int4", kv_cache_dtype="int8")),
+    ("mistral", dict(decode_runner="native", prepack_weights="native")),
+    ("llama", dict(decode_runner="static", prepack_weights=False)),
+], ids=["int8", "int4-kv8", "native-program", "static-buckets"])
+def test_composes_with_quantization_and_fast_step_runners(arch, settings):
+    """The collectives are part of the layers (ParallelLinear), so each rank quantizes its slices and replays its
+    steps on the native program or decode buckets, and the tokens are the one-process engine's."""
+    from hf_paged.cpu.quant_linear import QuantLinear
+    from hf_paged.model.layers.linear import ParallelLinear
+
+    model = make_model(arch)
+    prompts = make_prompts(4, [3, 20, 49, 70], seed=5)
+    single = PagedGenerator(model, num_blocks=80, max_num_batched_tokens=32, **settings)
+    want = _tokens(single.generate(prompts, GREEDY, use_tqdm=False))
+    single.close()
+    engine = PagedGenerator(model, tensor_parallel_size=2, num_blocks=80, max_num_batched_tokens=32, **settings)
+    assert _tokens(engine.generate(prompts, GREEDY, use_tqdm=False)) == want
+    shard = engine.executor.model
+    parallel = [m for m in shard.modules() if type(m) is ParallelLinear]
+    assert len(parallel) == 2 * model.config.num_hidden_layers + 1  # o/down of every layer, and the LM head
+    if "quantization" in settings:
+        assert all(type(m.base) is QuantLinear for m in parallel)  # the slices quantized inside their layers
+    fast = engine.executor.runner.fast
+    if settings.get("decode_runner") == "native":
+        assert type(fast).__name__ == "DecodeProgram" and fast.num_runs > 0
+    if settings.get("decode_runner") == "static":
+        assert type(fast).__name__ == "DecodeBuckets" and fast.num_replays > 0
+    engine.close()
+
+
 def test_prefix_caching_n_samples_and_speculative_decoding():
     model = make_model("llama")
     shared = make_prompts(1, [40], seed=5)[0]
@@ -200,8 +232,8 @@ def test_bad_configurations_are_refused_before_any_process_starts():
     with pytest.raises(ValueError, match="self:N"):
         PagedGenerator(model, tensor_parallel_size=2,
                        speculative_config=dict(method="draft_model", model="self:1", num_speculative_tokens=2))
-    with pytest.raises(ValueError, match="quantization='int8' is not supported with tensor_parallel_size"):
-        PagedGenerator(model, tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(ValueError, match="decode_runner='inductor' cannot be used with tensor_parallel_size > 1"):
+        PagedGenerator(model, tensor_parallel_size=2, decode_runner="inductor")
     with pytest.raises(TypeError, match="needs tensor_parallel_size > 1"):
         PagedGenerator("/no/such/folder")
     assert head_split(9, 3, 2) == [(0, 3, 0, 1), (3, 9, 1, 3)]  # uneven: the default model's 3 KV heads

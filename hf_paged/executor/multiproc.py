@@ -48,18 +48,18 @@ logger = logging.getLogger(__name__)
 
 
 def worker_config(cfg: EngineConfig) -> EngineConfig:
-    """The execution settings every rank runs: steps on the layers' forwards (the fused CPU layers too: they call
-    o_proj and down_proj as modules, so the all-reduce hooks run), never the native decode program or decode
-    buckets (they replay kernels without the hooks); no speculative proposer (rank 0's)."""
-    return dataclasses.replace(cfg, enforce_eager=True, decode_runner="auto", speculative_config=None,
-                               tensor_parallel_size=1)
+    """The execution settings every rank runs: the engine's own (quantization, KV dtype, fast step runners: the
+    collectives are part of the layers, so a replayed step runs them too), one process each. The speculative
+    configuration stays for the sizes it sets (decode buckets' query lengths, equal on every rank); the proposer
+    itself is rank 0's."""
+    return dataclasses.replace(cfg, tensor_parallel_size=1)
 
 
 def check_config(cfg: EngineConfig) -> None:
-    if cfg.quantization is not None:
-        raise ValueError(f"quantization={cfg.quantization!r} is not supported with tensor_parallel_size > 1 yet")
-    if cfg.decode_runner not in ("auto", "eager"):
-        raise ValueError(f"decode_runner={cfg.decode_runner!r} cannot be used with tensor_parallel_size > 1 (steps run eagerly)")
+    """ValueError naming what tensor parallelism cannot combine with (the rest composes)."""
+    if cfg.decode_runner == "inductor":
+        raise ValueError("decode_runner='inductor' cannot be used with tensor_parallel_size > 1: the compiled graph "
+                         "would break at every collective; use 'auto', 'native', 'static' or 'cuda_graphs'")
     spec = cfg.speculative_config
     if spec is not None and spec.self_draft_layers is not None:
         raise ValueError("speculative_config 'self:N' drafts with the target's own (sharded) layers; with "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hf_paged.executor.tensor_parallel import shard_model
+from hf_paged.executor.tensor_parallel import parallelize, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +71,14 @@ class ModelSource:
     def load_shard(self, rank: int, world: int) -> torch.nn.Module:
         """Rank ``rank``'s shard of ``world``, in eval mode, on its device."""
         if self.path is not None:
-            model = _load_folder_shard(self.path, self.dtype, rank, world)
+            model, shard = _load_folder_shard(self.path, self.dtype, rank, world)
         else:
             model = self.skeleton()
             shard = shard_model(model, rank, world)
             _fill(model, shard.slices, self.tensors.get, self.model_class._tied_weights_keys, whole=True)
             if self.generation_config is not None:
                 model.generation_config = copy.deepcopy(self.generation_config)
-        return model.to(self.rank_device(rank)).eval()
+        return parallelize(model, shard).to(self.rank_device(rank)).eval()
 
 
 def _safetensors_files(folder: Path) -> dict[str, Path] | None:
@@ -95,7 +95,7 @@ def _safetensors_files(folder: Path) -> dict[str, Path] | None:
     return None
 
 
-def _load_folder_shard(path: str, dtype: str, rank: int, world: int) -> torch.nn.Module:
+def _load_folder_shard(path: str, dtype: str, rank: int, world: int) -> tuple[torch.nn.Module, object]:
     from hf_paged.default_model import load_model, load_model_generation_config, parse_dtype
 
     files = _safetensors_files(Path(path))
@@ -127,11 +127,10 @@ def _load_folder_shard(path: str, dtype: str, rank: int, world: int) -> torch.nn
             _fill(model, shard.slices, read, tied, parse_dtype(dtype))
             handles.clear()
             model.generation_config = load_model_generation_config(Path(path))
-            return model
+            return model, shard
         logger.info("%s: tensor names differ from the model's; loading it whole, then slicing", path)
     model = load_model(path, dtype=dtype)[0]
-    shard_model(model, rank, world)
-    return model
+    return model, shard_model(model, rank, world)
 
 
 def _fill(model: torch.nn.Module, slices: dict, read, tied: dict | None, dtype: torch.dtype | None = None,
