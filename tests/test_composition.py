@@ -44,8 +44,6 @@ GREEDY_N = ("compared with greedy `n=2`: under speculation seeded samples follow
 QUANT_NATIVE = "the program runs the quantized linears; `prepack_weights` has no float linear left to pack"
 
 OUTCOMES: dict[tuple[str, str], Cell] = {
-    ("tp", "self"): Cell("refused", "`self:N` drafts with the target's own layers, which are sharded; use ngram "
-                                    "or a separate draft model (it runs on rank 0)"),
     ("int8", "int4"): Cell("n/a", ONE_SETTING),
     ("ngram", "self"): Cell("n/a", ONE_SETTING),
     ("swap", "recompute"): Cell("n/a", ONE_SETTING),

@@ -112,8 +112,8 @@ class UniProcExecutor(Executor):
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
 
-    def add_proposer(self, key: str, spec) -> None:
-        self.runner.speculator.add(key, make_proposer(spec, self.runner, self.max_model_len))
+    def add_proposer(self, key: str, spec, announce=None) -> None:
+        self.runner.speculator.add(key, make_proposer(spec, self.runner, self.max_model_len, announce))
 
     def has_proposer(self, key: str) -> bool:
         return key in self.runner.speculator.proposers

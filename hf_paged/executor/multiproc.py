@@ -43,6 +43,7 @@ from hf_paged.executor.process_group import (  # noqa: F401 - TensorParallelErro
 )
 from hf_paged.executor.shard_loading import ModelSource
 from hf_paged.executor.tensor_parallel import check_shardable
+from hf_paged.spec_decode.draft_model import truncated_view
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +61,24 @@ def check_config(cfg: EngineConfig) -> None:
     if cfg.decode_runner == "inductor":
         raise ValueError("decode_runner='inductor' cannot be used with tensor_parallel_size > 1: the compiled graph "
                          "would break at every collective; use 'auto', 'native', 'static' or 'cuda_graphs'")
-    spec = cfg.speculative_config
-    if spec is not None and spec.self_draft_layers is not None:
-        raise ValueError("speculative_config 'self:N' drafts with the target's own (sharded) layers; with "
-                         "tensor_parallel_size > 1 use ngram or a separate draft model (it runs on rank 0)")
+
+
+@dataclasses.dataclass
+class DraftForward:
+    """A ``self:N`` draft forward rank 0 is about to run: every rank runs it on the first ``layers`` layers of its
+    shard (their all-reduces and the head's gather need every rank)."""
+
+    layers: int
+    batch: list
+    tables: dict[int, list[int]]
+
+
+def _draft_forward(executor: UniProcExecutor, views: dict, msg: DraftForward) -> None:
+    view = views.get(msg.layers)
+    if view is None:
+        view = views[msg.layers] = truncated_view(executor.model, msg.layers)
+    inputs = executor.runner.prepare_batch(msg.batch, executor.pool.kv_caches, msg.tables)
+    executor.runner.compute_logits(inputs, view)
 
 
 def _agree_min(value: int) -> int:
@@ -110,12 +125,17 @@ def run_worker(source: ModelSource, cfg: EngineConfig, rank: int, world: int, in
         executor = build_rank(source, cfg, rank, world)
         if conn is not None:
             conn.send(("ready", rank))
+        views: dict = {}  # self:N draft views of the shard, by N
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0)
             if box[0] is None:
                 break
-            executor.runner.execute_forward(box[0])
+            if isinstance(box[0], DraftForward):
+                with torch.inference_mode():
+                    _draft_forward(executor, views, box[0])
+            else:
+                executor.runner.execute_forward(box[0])
     except BaseException as e:  # noqa: BLE001 - reported to rank 0 where it can still listen
         if conn is not None:
             with contextlib.suppress(Exception):
@@ -308,12 +328,15 @@ class TensorParallelExecutor(Executor):
         self._shutdown(broadcast=False)
         raise TensorParallelError(f"the tensor-parallel engine failed and is shut down: {summary}") from cause
 
+    def _broadcast(self, message) -> None:
+        started = time.perf_counter()
+        dist.broadcast_object_list([message], src=0)
+        self.comm_seconds += time.perf_counter() - started
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._check_alive()
         try:
-            started = time.perf_counter()
-            dist.broadcast_object_list([dataclasses.replace(out, new_sequences=[])], src=0)
-            self.comm_seconds += time.perf_counter() - started
+            self._broadcast(dataclasses.replace(out, new_sequences=[]))
             return self.inner.execute_model(out)
         except TensorParallelError:
             raise
@@ -328,9 +351,15 @@ class TensorParallelExecutor(Executor):
             self._fail(summary, f"{summary}: {_first_line(e)}", e)
 
     def add_proposer(self, key: str, spec) -> None:
-        if spec.self_draft_layers is not None:
-            raise ValueError("speculative_config 'self:N' cannot draft with a sharded model; use ngram or a draft model")
-        self.inner.add_proposer(key, spec)
+        if spec.self_draft_layers is None:  # ngram, or a separate draft model: rank 0's alone
+            self.inner.add_proposer(key, spec)
+            return
+        layers = spec.self_draft_layers
+
+        def announce(batch, tables) -> None:  # every rank runs the draft forward on its shard's first layers
+            self._broadcast(DraftForward(layers, batch, {item.seq_id: list(tables[item.seq_id]) for item in batch}))
+
+        self.inner.add_proposer(key, spec, announce)
 
     def has_proposer(self, key: str) -> bool:
         return self.inner.has_proposer(key)

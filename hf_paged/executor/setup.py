@@ -188,15 +188,17 @@ def check_speculative(spec) -> None:
             raise ValueError(f"speculative_config model {spec.model!r}: no such folder (give a model, a folder or 'self:N')")
 
 
-def make_proposer(spec, runner, max_model_len: int):
-    """The proposer a :class:`~hf_paged.spec_decode.SpeculativeConfig` asks for."""
+def make_proposer(spec, runner, max_model_len: int, announce=None):
+    """The proposer a :class:`~hf_paged.spec_decode.SpeculativeConfig` asks for (``announce``: see
+    :class:`~hf_paged.spec_decode.draft_model.DraftModelProposer`)."""
     check_speculative(spec)
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     draft = spec.model
     if isinstance(draft, str) and spec.self_draft_layers is None:
         draft, _ = load_model(draft, dtype=next(runner.model.parameters()).dtype, device=runner.device)
-    return DraftModelProposer(runner, None if spec.self_draft_layers else draft, spec.self_draft_layers, max_model_len)
+    return DraftModelProposer(runner, None if spec.self_draft_layers else draft, spec.self_draft_layers, max_model_len,
+                              announce)
 
 
 def max_positions(model: torch.nn.Module) -> int | None:

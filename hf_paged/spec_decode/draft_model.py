@@ -69,10 +69,14 @@ class DraftModelProposer:
         draft: A causal LM with the target's vocabulary; None with ``self_layers``.
         self_layers: Draft with the target's first this-many layers instead.
         max_model_len: The engine's longest sequence; a draft model must handle it.
+        announce: Called with ``(batch, tables)`` before each draft forward (a tensor-parallel engine's rank 0
+            sends it to the other ranks, whose shards of the ``self_layers`` run the same forward with it).
     """
 
-    def __init__(self, runner, draft: torch.nn.Module | None, self_layers: int | None, max_model_len: int) -> None:
+    def __init__(self, runner, draft: torch.nn.Module | None, self_layers: int | None, max_model_len: int,
+                 announce=None) -> None:
         self.runner = runner
+        self.announce = announce
         target = runner.model
         self.shares_target_kv = self_layers is not None
         if self.shares_target_kv:
@@ -142,6 +146,8 @@ class DraftModelProposer:
         return [drafts.get(state.seq_id, []) for state in states]
 
     def _greedy(self, batch: list[ScheduledSequence], tables: dict[int, list[int]]) -> list[int]:
+        if self.announce is not None:
+            self.announce(batch, tables)
         inputs = self.runner.prepare_batch(batch, self.kv_caches, tables)
         return self.runner.compute_logits(inputs, self.model).argmax(dim=-1).tolist()
 
