@@ -179,6 +179,7 @@ def test_openai_server_on_a_tensor_parallel_engine():
     messages = [{"role": "user", "content": "Name three colors."}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     want = stock_greedy(model, ids, 8)
+    threads = torch.get_num_threads()
     with serve(model, tokenizer, TINY_NAME, tensor_parallel_size=2, num_blocks=64) as (url, loop):
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         reply = client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=8, temperature=0)
@@ -186,6 +187,9 @@ def test_openai_server_on_a_tensor_parallel_engine():
         chunks = client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=8, temperature=0,
                                                 stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+    # rank 0 shares the cores with its worker only while it works: built here, stepped and closed on the loop's
+    # thread, the engine leaves this thread's count as it was (it once left it at cores / 2)
+    assert torch.get_num_threads() == threads
 
 
 def test_default_model_from_pretrained():
@@ -488,3 +492,22 @@ def test_a_server_whose_worker_dies_says_so_and_exits_for_its_supervisor(tmp_pat
             while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not os.path.exists(f"/proc/{pid}"), "a worker outlived its server"
+
+
+def test_sharded_quantized_model_equals_one_process():
+    """A model quantized for good (quantize_model; a GGUF file kept is the same QuantLinear layers) shards its bytes:
+    rows of q/k/v, gate/up and the LM head, the column blocks of o/down (their int8 row scales whole), and gives
+    the one-process engine's tokens on every rank's native decode program."""
+    from hf_paged import quantize_model
+
+    prompts = make_prompts(4, [3, 20, 49, 70], seed=5)
+    for arch, quantization in (("llama", "int4"), ("qwen2", "int8")):
+        model = quantize_model(make_model(arch), quantization)
+        one = PagedGenerator(model, num_blocks=80, max_num_batched_tokens=32)
+        want = _tokens(one.generate(prompts, GREEDY, use_tqdm=False))
+        one.close()
+        engine = PagedGenerator(model, tensor_parallel_size=2, num_blocks=80, max_num_batched_tokens=32)
+        assert _tokens(engine.generate(prompts, GREEDY, use_tqdm=False)) == want
+        fast = engine.executor.runner.fast
+        assert type(fast).__name__ == "DecodeProgram" and fast.num_runs > 0
+        engine.close()

@@ -190,7 +190,7 @@ class TensorParallelExecutor(Executor):
         self.conns: list = []
         self.failed: str | None = None
         self.inner: UniProcExecutor | None = None
-        self._threads = torch.get_num_threads()
+        self._threads = None  # rank 0's threads in its own work, where it shares the cores with spawned ranks
         check_shardable(source.skeleton(), world)  # a clear error before any process starts
         found = launched()
         if found is not None:
@@ -209,7 +209,8 @@ class TensorParallelExecutor(Executor):
                 init_group(0, world, init_method, self.timeout_s, source.rank_device(0), self._store, self._wait_joined)
             else:
                 init_group(0, world, init_method, self.timeout_s, source.rank_device(0))
-            self.inner = build_rank(source, cfg, 0, world)
+            with _thread_count(self._threads):
+                self.inner = build_rank(source, cfg, 0, world)
             self._wait_ready()
         except BaseException as e:
             self._shutdown(broadcast=False)
@@ -246,8 +247,7 @@ class TensorParallelExecutor(Executor):
     # -- start --------------------------------------------------------------------------------------
     def _spawn(self, source: ModelSource, cfg: EngineConfig, init_method: str) -> None:
         ctx = mp.get_context("spawn")
-        threads = max(1, self._threads // self.world)
-        torch.set_num_threads(threads)
+        threads = self._threads = max(1, torch.get_num_threads() // self.world)
         for rank in range(1, self.world):
             parent, child = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_spawned_worker, name=f"hf-paged-tp{rank}", daemon=True,
@@ -337,7 +337,8 @@ class TensorParallelExecutor(Executor):
         self._check_alive()
         try:
             self._broadcast(dataclasses.replace(out, new_sequences=[]))
-            return self.inner.execute_model(out)
+            with _thread_count(self._threads):
+                return self.inner.execute_model(out)
         except TensorParallelError:
             raise
         except Exception as e:  # noqa: BLE001 - the ranks may be out of step now: the group cannot go on
@@ -377,7 +378,6 @@ class TensorParallelExecutor(Executor):
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-        torch.set_num_threads(self._threads)
 
     def close(self) -> None:
         if self.inner is not None:
@@ -385,6 +385,21 @@ class TensorParallelExecutor(Executor):
         if self.failed is None and (self.processes or dist.is_initialized()):
             self._shutdown(broadcast=True)
         self._at_exit.detach()
+
+
+@contextlib.contextmanager
+def _thread_count(threads: int | None):
+    """Run with ``threads`` intra-op threads (None: as is), giving the calling thread its own count back after: the
+    count is per OS thread, and the engine may be built in one thread and stepped in another (the server's loop)."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _exit_text(code: int | None) -> str:

@@ -35,6 +35,8 @@ class ModelSource:
     config: object = None
     generation_config: object = None
     tensors: dict[str, torch.Tensor] | None = None
+    # the in-memory model's quantized modules (a GGUF file kept, quantize_model): name -> how to rebuild it
+    quantized: dict[str, dict] | None = None
     device: str = "cpu"  # "cuda": rank r runs on GPU LOCAL_RANK (torchrun) or r (spawned), with NCCL
 
     @classmethod
@@ -50,7 +52,7 @@ class ModelSource:
         tensors = {name: t.detach() for name, t in model.named_parameters(remove_duplicate=False)}
         tensors.update({name: t for name, t in model.named_buffers(remove_duplicate=False)})
         return cls(model_class=type(model), config=model.config, generation_config=getattr(model, "generation_config", None),
-                   tensors=tensors)
+                   tensors=tensors, quantized=_quantized_specs(model))
 
     def skeleton(self) -> torch.nn.Module:
         """The model's modules with empty (meta) weights; buffers computed at build (rotary) are real."""
@@ -61,7 +63,11 @@ class ModelSource:
                 from transformers import AutoConfig, AutoModelForCausalLM
 
                 return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.path))
-            return self.model_class(copy.deepcopy(self.config))
+            model = self.model_class(copy.deepcopy(self.config))
+        for name, spec in (self.quantized or {}).items():  # the same quantized modules, empty
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, _empty_quantized(spec))
+        return model
 
     def rank_device(self, rank: int) -> torch.device:
         if self.device == "cpu":
@@ -79,6 +85,33 @@ class ModelSource:
             if self.generation_config is not None:
                 model.generation_config = copy.deepcopy(self.generation_config)
         return parallelize(model, shard).to(self.rank_device(rank)).eval()
+
+
+def _quantized_specs(model: torch.nn.Module) -> dict[str, dict]:
+    """How to rebuild each quantized module of ``model`` (empty): its class and shapes."""
+    from hf_paged.cpu.quant_linear import QuantEmbedding, QuantLinear
+
+    specs = {}
+    for name, m in model.named_modules():
+        if type(m) is QuantLinear:
+            specs[name] = dict(kind="linear", args=(m.in_features, m.out_features, m.fmt), rows=tuple(m.qweight.shape),
+                               scales=m.scales is not None, bias=m.bias is not None, activations=m.activations)
+        elif type(m) is QuantEmbedding:
+            specs[name] = dict(kind="embedding", args=(m.num_embeddings, m.embedding_dim, m.fmt),
+                               rows=tuple(m.qweight.shape), padding_idx=m.padding_idx, dtype=m.dtype)
+    return specs
+
+
+def _empty_quantized(spec: dict) -> torch.nn.Module:
+    from hf_paged.cpu.quant_linear import QuantEmbedding, QuantLinear
+
+    qweight = torch.empty(spec["rows"], dtype=torch.uint8, device="meta")
+    if spec["kind"] == "embedding":
+        return QuantEmbedding(*spec["args"], qweight, padding_idx=spec["padding_idx"], dtype=spec["dtype"])
+    out = spec["args"][1]
+    scales = torch.empty(out, device="meta") if spec["scales"] else None
+    bias = torch.empty(out, device="meta") if spec["bias"] else None
+    return QuantLinear(*spec["args"], qweight, scales, bias, spec["activations"])
 
 
 def _safetensors_files(folder: Path) -> dict[str, Path] | None:
@@ -162,11 +195,19 @@ def _fill(model: torch.nn.Module, slices: dict, read, tied: dict | None, dtype: 
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(data, requires_grad=False)
     if whole:
-        for name, _ in list(model.named_buffers()):
+        for name, buffer in list(model.named_buffers()):
             data = read(name)
-            if data is not None:
-                owner, _, leaf = name.rpartition(".")
-                model.get_submodule(owner)._buffers[leaf] = data
+            if data is None:
+                continue
+            part = slices.get(name)  # a quantized layer's bytes or scales: its slice, padded like a parameter
+            if part is not None:
+                dim, start, stop = part
+                start, stop = min(start, data.shape[dim]), min(stop, data.shape[dim])
+                data = data.narrow(dim, start, stop - start).clone()
+                if data.shape != buffer.shape:
+                    data = torch.cat([data, data.new_zeros(buffer.shape[0] - data.shape[0], *data.shape[1:])])
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = data
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"{type(model).__name__}: no tensor for {left[:3]} in the source")

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_paged.cpu.quant_formats import BLOCK_BYTES, GROUP
+from hf_paged.cpu.quant_linear import QuantLinear
 from hf_paged.model.layers.linear import COMM, CommStats, ParallelLinear  # noqa: F401 - COMM re-exported
 
 # the default plan for models whose config carries none (relative to the base model)
@@ -116,10 +118,10 @@ def check_shardable(model: torch.nn.Module, world: int) -> tuple[int, int]:
                 f"{', '.join(SUPPORTED_STYLES)} (and replicated) layers"
             )
         for name in matched[pattern]:
-            if style in SUPPORTED_STYLES and type(model.get_submodule(name)) is not torch.nn.Linear:
+            if style in SUPPORTED_STYLES and type(model.get_submodule(name)) not in (torch.nn.Linear, QuantLinear):
                 raise NotImplementedError(
                     f"{type(model).__name__}: {name} is a {type(model.get_submodule(name)).__name__}, "
-                    "hf_paged shards nn.Linear layers only"
+                    "hf_paged shards nn.Linear (and its quantized QuantLinear) layers only"
                 )
     if not any(matched[p] for p, s in plan.items() if s == "rowwise"):
         raise NotImplementedError(
@@ -134,28 +136,68 @@ def _slice_param(module: torch.nn.Module, name: str, dim: int, start: int, stop:
     if param is None:
         return
     part = param.detach().narrow(dim, start, stop - start).clone()
-    setattr(module, name, torch.nn.Parameter(part, requires_grad=False))
+    if name in module._buffers:  # a quantized layer's bytes and scales
+        module._buffers[name] = part
+    else:
+        setattr(module, name, torch.nn.Parameter(part, requires_grad=False))
     slices[f"{prefix}.{name}"] = (dim, start, stop)
 
 
-def _vocab_slice(head: torch.nn.Linear, rank: int, world: int) -> tuple[torch.nn.Linear, int, int]:
-    """The LM head's rows of ``rank`` as a plain ``nn.Linear`` (every rank gets ``ceil(vocab / world)`` rows, the
-    last one padded with zeros), and the rows' ``[start, stop)`` in the vocabulary. Empty (meta) where the head is."""
-    vocab, width = head.weight.shape
+def _slice_linear(module: torch.nn.Module, name: str, style: str, start: int, stop: int, rank: int,
+                  slices: dict) -> None:
+    """Keep rank ``rank``'s part of one linear: output rows ``[start, stop)`` (colwise) or input columns (rowwise;
+    the bias on rank 0 only). A quantized linear keeps the same rows of its bytes, or the bytes of the blocks of
+    those columns (which must fall on its blocks of 32); its int8 row scales stay whole (the full row's)."""
+    quantized = type(module) is QuantLinear
+    if style == "colwise":
+        for leaf in ("qweight", "scales", "bias") if quantized else ("weight", "bias"):
+            _slice_param(module, leaf, 0, start, stop, slices, name)
+        module.out_features = stop - start
+        return
+    if quantized:
+        if start % GROUP or stop % GROUP:
+            raise NotImplementedError(
+                f"{name}: this rank's input columns [{start}, {stop}) do not fall on the {module.fmt} blocks of {GROUP}; "
+                "shard the float model (quantization= at start quantizes each rank's slice)")
+        per = BLOCK_BYTES[module.fmt]
+        _slice_param(module, "qweight", 1, start // GROUP * per, stop // GROUP * per, slices, name)
+    else:
+        _slice_param(module, "weight", 1, start, stop, slices, name)
+    if rank != 0 and module.bias is not None:
+        module.bias = None  # added once, by rank 0, before the sum
+    module.in_features = stop - start
+
+
+def _rows(t: torch.Tensor | None, start: int, stop: int, rows: int) -> torch.Tensor | None:
+    """Rows ``[start, stop)`` of ``t`` padded with zero rows to ``rows`` (a copy); the same-shaped empty tensor
+    for a meta ``t`` (the shard is filled later)."""
+    if t is None:
+        return None
+    if t.is_meta:
+        return t.new_empty(rows, *t.shape[1:])
+    part = t.detach()[start:stop]
+    pad = rows - (stop - start)
+    return torch.cat([part, part.new_zeros(pad, *part.shape[1:])]) if pad else part.clone()
+
+
+def _vocab_slice(head: torch.nn.Module, rank: int, world: int) -> tuple[torch.nn.Module, int, int]:
+    """The LM head's rows of ``rank`` as a plain ``nn.Linear`` (or a ``QuantLinear`` of the same format): every
+    rank gets ``ceil(vocab / world)`` rows, the last one padded with zeros (zero bytes: zero logits in every
+    format), and the rows' ``[start, stop)`` in the vocabulary. Empty (meta) where the head is."""
+    vocab = head.out_features
     rows = -(-vocab // world)
     start, stop = min(rank * rows, vocab), min((rank + 1) * rows, vocab)
-    weight, bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
-    sliced = torch.nn.Linear(width, rows, bias=bias is not None, device=weight.device, dtype=weight.dtype)
-    if not weight.is_meta:
-        pad = rows - (stop - start)
-        part = weight[start:stop]
-        sliced.weight = torch.nn.Parameter(torch.cat([part, part.new_zeros(pad, width)]) if pad else part.clone(),
-                                           requires_grad=False)
-        if bias is not None:
-            part = bias[start:stop]
-            sliced.bias = torch.nn.Parameter(torch.cat([part, part.new_zeros(pad)]) if pad else part.clone(),
-                                             requires_grad=False)
-    sliced.requires_grad_(False)
+    bias = _rows(head.bias, start, stop, rows)
+    if type(head) is QuantLinear:
+        sliced = QuantLinear(head.in_features, rows, head.fmt, _rows(head.qweight, start, stop, rows),
+                             _rows(head.scales, start, stop, rows), activations=head.activations)
+        if bias is not None:  # (QuantLinear takes a bias as fp32; keep the meta one as it is)
+            sliced.bias = torch.nn.Parameter(bias, requires_grad=False)
+        return sliced, start, stop
+    sliced = torch.nn.Linear(head.in_features, rows, bias=bias is not None, device="meta")
+    sliced.weight = torch.nn.Parameter(_rows(head.weight, start, stop, rows), requires_grad=False)
+    if bias is not None:
+        sliced.bias = torch.nn.Parameter(bias, requires_grad=False)
     return sliced, start, stop
 
 
@@ -189,15 +231,8 @@ def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
         else:
             size = module.out_features if style == "colwise" else module.in_features
             start, stop = rank * size // world, (rank + 1) * size // world
-        if style == "colwise":
-            _slice_param(module, "weight", 0, start, stop, slices, name)
-            _slice_param(module, "bias", 0, start, stop, slices, name)
-            module.out_features = stop - start
-        else:
-            _slice_param(module, "weight", 1, start, stop, slices, name)
-            if rank != 0 and module.bias is not None:
-                module.bias = None  # added once, by rank 0, before the sum
-            module.in_features = stop - start
+        _slice_linear(module, name, style, start, stop, rank, slices)
+        if style == "rowwise":
             reduce[name] = "sum"
     for module in attention_modules:
         for attr in HEAD_ATTRS:
@@ -213,14 +248,14 @@ def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
             if weight is not None and head_dim is not None and weight.shape[-1] != head_dim:
                 raise NotImplementedError(f"{type(module).__name__}.{norm} normalizes across heads; it cannot be split")
     head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear:
+    if type(head) not in (torch.nn.Linear, QuantLinear):
         raise NotImplementedError(f"{type(model).__name__}: its LM head is a {type(head).__name__}, not an nn.Linear")
     head_name = next(n for n, m in model.named_modules() if m is head)
-    vocab = head.weight.shape[0]
+    vocab = head.out_features
     sliced, start, stop = _vocab_slice(head, rank, world)
     model.set_output_embeddings(sliced)
-    for leaf in ("weight", "bias"):
-        if getattr(sliced, leaf) is not None:
+    for leaf in ("qweight", "scales", "weight", "bias"):
+        if getattr(sliced, leaf, None) is not None:
             slices[f"{head_name}.{leaf}"] = (0, start, start + sliced.out_features)
     reduce[head_name] = "gather"
     model.config.tie_word_embeddings = False  # never re-tie the slice to the full embedding
