@@ -74,6 +74,12 @@ def maybe_quantize(model: torch.nn.Module, cfg: EngineConfig, device: torch.devi
     model), or None where neither is asked for."""
     want = (cfg.quantization, cfg.quant_activations)
     if want == (None, "float") or (want == (None, "auto") and device.type != "cpu"):
+        held = model_patches.current(model, "quantization")
+        if held is not None and held.quantization is not None:  # it would run another engine's quantized layers
+            raise ValueError(
+                f"quantization=None: another engine on this model quantized its linears "
+                f"(quantization={held.quantization!r}) for as long as it runs; close it first, or ask for "
+                f"quantization={held.quantization!r}")
         return None  # ("auto" without quantized CPU layers has nothing to pick)
     if device.type != "cpu":
         raise ValueError(f"quantization={cfg.quantization!r} runs CPU kernels; this model is on {device}")
