@@ -23,7 +23,7 @@ import torch
 
 from hf_paged.cpu import quant_modes
 from hf_paged.cpu.quant_linear import ACTIVATIONS, GROUP, QUANTIZATIONS, QuantLinear
-from hf_paged.model.layers.linear import ParallelLinear, linear_of
+from hf_paged.model.layers.linear import ParallelLinear, linear_of, rank0_choice
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class QuantizedLinears:
             layer = quant_modes.representative_layer(model)
             self._auto = layer is not None
             activations = "float" if layer is None else quant_modes.fastest_mode(layer, max_rows)
+            activations = rank0_choice(model, activations)  # a tensor-parallel shard runs rank 0's pick
             logger.info("quant_activations='auto' runs the %r mode here", activations)
         self.activations = activations
         for layer in model.modules():

@@ -120,6 +120,17 @@ class ParallelLinear(torch.nn.Module):
         return absmax
 
 
+def rank0_choice(model: torch.nn.Module, value):
+    """``value`` as rank 0 chose it, where ``model`` is a tensor-parallel shard (every rank calls this at the same
+    point of its start): a choice timed on each rank (a kernel mode) could differ between ranks, and then so would
+    the numbers. Else ``value`` itself."""
+    if not any(type(m) is ParallelLinear for m in model.modules()) or not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def linear_of(module: torch.nn.Module) -> torch.nn.Module:
     """The module that computes ``module``'s linear: its ``base`` for a :class:`ParallelLinear`, else itself."""
     return module.base if type(module) is ParallelLinear else module
