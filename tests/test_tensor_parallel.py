@@ -511,3 +511,17 @@ def test_sharded_quantized_model_equals_one_process():
         fast = engine.executor.runner.fast
         assert type(fast).__name__ == "DecodeProgram" and fast.num_runs > 0
         engine.close()
+
+
+def test_auto_activation_mode_is_rank_zeros_pick():
+    """quant_activations="auto" times the kernel modes; under TP every rank runs the mode rank 0 picked (broadcast
+    at start), so the tokens are those of one process running that mode."""
+    model = make_model("llama")
+    prompts = make_prompts(3, [5, 30, 60], seed=2)
+    engine = PagedGenerator(model, tensor_parallel_size=2, num_blocks=80, quantization="int4", quant_activations="auto")
+    got = _tokens(engine.generate(prompts, GREEDY, use_tqdm=False))
+    mode = engine.executor.inner.quantized.activations
+    engine.close()
+    assert mode in ("float", "int8", "bf16")
+    with PagedGenerator(model, num_blocks=80, quantization="int4", quant_activations=mode) as one:
+        assert _tokens(one.generate(prompts, GREEDY, use_tqdm=False)) == got
