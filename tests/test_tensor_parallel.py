@@ -239,6 +239,9 @@ def test_bad_configurations_are_refused_before_any_process_starts():
         PagedGenerator(model, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="decode_runner='inductor' cannot be used with tensor_parallel_size > 1"):
         PagedGenerator(model, tensor_parallel_size=2, decode_runner="inductor")
+    with PagedGenerator(model, num_blocks=16, quantization="int8"):  # its int8 layers live while it does
+        with pytest.raises(ValueError, match="another engine on this model quantized its linears"):
+            PagedGenerator(model, tensor_parallel_size=2)
     with pytest.raises(TypeError, match="needs tensor_parallel_size > 1"):
         PagedGenerator("/no/such/folder")
     assert head_split(9, 3, 2) == [(0, 3, 0, 1), (3, 9, 1, 3)]  # uneven: the default model's 3 KV heads

@@ -97,7 +97,7 @@ class UniProcExecutor(Executor):
             attention = AttentionBackend(self.backend, cfg.block_size, native_max_q)
             tables = BlockTables()
             fast = make_fast_runner(model, cfg, self.pool, self.backend, self.max_model_len, self.packed, self.fused,
-                                    tables)
+                                    tables, agree)
             self.runner = ModelRunner(model, self.pool, attention, Sampler(self.device, cfg.seed), self.max_model_len,
                                       fast, tables)
         except BaseException:

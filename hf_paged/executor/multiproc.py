@@ -185,6 +185,10 @@ class TensorParallelExecutor(Executor):
         check_config(cfg)
         self.world = world = cfg.tensor_parallel_size
         self.source = source = ModelSource.of(source)
+        if source.device == "cuda" and cfg.decode_runner == "auto":
+            # CUDA graphs with the collectives captured inside have not run on a GPU yet (our machines have none):
+            # eager steps by default there; decode_runner="cuda_graphs" asks for them
+            cfg = dataclasses.replace(cfg, enforce_eager=True)
         self.timeout_s = cfg.distributed_timeout
         self.processes: list = []
         self.conns: list = []

@@ -75,11 +75,11 @@ def maybe_quantize(model: torch.nn.Module, cfg: EngineConfig, device: torch.devi
     want = (cfg.quantization, cfg.quant_activations)
     if want == (None, "float") or (want == (None, "auto") and device.type != "cpu"):
         held = model_patches.current(model, "quantization")
-        if held is not None and held.quantization is not None:  # it would run another engine's quantized layers
+        if held is not None and not held.serves(*want):  # it would run another engine's layers or kernel mode
             raise ValueError(
-                f"quantization=None: another engine on this model quantized its linears "
-                f"(quantization={held.quantization!r}) for as long as it runs; close it first, or ask for "
-                f"quantization={held.quantization!r}")
+                f"quantization={cfg.quantization!r}, quant_activations={cfg.quant_activations!r}: another engine on "
+                f"this model runs it with quantization={held.quantization!r}, quant_activations={held.activations!r} "
+                "for as long as it lives; close it first, or ask for the same")
         return None  # ("auto" without quantized CPU layers has nothing to pick)
     if device.type != "cpu":
         raise ValueError(f"quantization={cfg.quantization!r} runs CPU kernels; this model is on {device}")
@@ -159,7 +159,7 @@ def maybe_fuse(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, 
 
 
 def make_fast_runner(model, cfg: EngineConfig, pool: KVPool, backend: str, max_model_len: int, packed, fused,
-                     block_tables: BlockTables):
+                     block_tables: BlockTables, agree=None):
     """The one fast step runner for this configuration and device, or None (every step eager): decode buckets
     (CUDA graphs, inductor, static) or, on CPU, the native decode program where the model fits it. ValueError
     naming the reason where ``decode_runner="native"`` was asked for explicitly and cannot be had."""
@@ -170,7 +170,7 @@ def make_fast_runner(model, cfg: EngineConfig, pool: KVPool, backend: str, max_m
         spec = cfg.speculative_config
         max_q = 1 + (spec.num_speculative_tokens if spec is not None else 0)
         return DecodeBuckets(model, pool.kv_caches, pool.block_size, mode, cfg.decode_buckets, max_q, max_model_len,
-                             block_tables)
+                             block_tables, agree)
     why = why_not(model, fused, packed)
     if not why and (backend != "cpu" or not pool.supports_native() or not cpu_attention.available(pool.cache_dtype)):
         why = f"it needs the native CPU attention (backend {backend!r}, {cpu_attention.unavailable_reason(pool.cache_dtype) or 'pool layout'})"

@@ -49,6 +49,11 @@ class ModelSource:
             raise TypeError(f"model must be a transformers model or a folder path, got {type(model).__name__}")
         if next(model.parameters()).device.type != "cpu":
             raise ValueError("tensor parallelism from a model in memory needs it on the CPU; give a folder path instead")
+        from hf_paged import model_patches
+
+        if model_patches.current(model, "quantization") is not None:  # its layers are another engine's, for now
+            raise ValueError("tensor parallelism: another engine on this model quantized its linears (or set their "
+                             "activation mode) for as long as it runs; close it first, or give the float model")
         tensors = {name: t.detach() for name, t in model.named_parameters(remove_duplicate=False)}
         tensors.update({name: t for name, t in model.named_buffers(remove_duplicate=False)})
         return cls(model_class=type(model), config=model.config, generation_config=getattr(model, "generation_config", None),
