@@ -325,8 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_cache_dtype(bench)
     bench.add_argument("--systems", help="comma-separated subset, e.g. padded,hf_paged; chat and latency also take "
                        "eager (hf_paged with enforce_eager=True, for A/B runs); chat and latency also gguf_q4_1, int8, "
-                       "int4 (quantized weights; with -a8 or -bf16, e.g. int8-a8: int8 or bf16 activations); chat also tp2 "
-                       "(tensor_parallel_size=2); replicas: pow2,prefix (routings)")
+                       "int4 (quantized weights; with -a8 or -bf16, e.g. int8-a8: int8 or bf16 activations); chat also tp2, "
+                       "tp2-int8, tp2-int4 (tensor_parallel_size=2, float or quantized weights); replicas: pow2,prefix (routings)")
     bench.add_argument("--clients", help="serve: concurrent HTTP clients per level (default 1,16,64)")
     bench.add_argument("--requests", type=_positive_int, help="serve: requests per level (default max(N, 16), "
                        "at most the 64 chat prompts)")

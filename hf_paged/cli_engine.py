@@ -34,7 +34,9 @@ def engine_options(args) -> dict:
     tp = getattr(args, "tensor_parallel_size", 1)
     if tp != 1:
         if q == "gguf":
-            raise UsageError("--quantization gguf cannot be used with --tensor-parallel-size > 1")
+            raise UsageError("--quantization gguf cannot be used with --tensor-parallel-size > 1: each rank reads its "
+                             "slices from the model folder (use int8 or int4; in Python, PagedGenerator("
+                             "hf_paged.load_gguf(path), tensor_parallel_size=N) shards a GGUF model kept quantized)")
         out["tensor_parallel_size"] = tp
     return out
 

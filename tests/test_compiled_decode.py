@@ -248,6 +248,24 @@ def test_a_model_that_cannot_compile_falls_back_to_eager_with_one_warning(monkey
     engine.close()
 
 
+def test_buckets_stop_everywhere_when_another_rank_could_not_build_one():
+    """Under tensor parallelism the ranks agree whether a bucket was built (a padded step and an eager one run
+    collectives of different sizes): here the other ranks said no, so this one decodes eagerly too."""
+    model = make_model("llama", seed=3)
+    prompts = make_prompts(3, seed=6)
+    eager = PagedGenerator(model, enforce_eager=True, block_size=4, num_blocks=256)
+    want = run(eager, prompts, [7, 7, 7])
+    eager.close()
+    engine = PagedGenerator(model, decode_runner="static", decode_buckets=[2, 4], max_num_seqs=4, block_size=4,
+                            num_blocks=256)
+    votes = []
+    engine.executor.runner.fast.agree = lambda ok: votes.append(ok) or 0  # as the MIN all-reduce over the ranks
+    assert run(engine, prompts, [7, 7, 7]) == want
+    fast = engine.executor.runner.fast
+    assert votes == [1] and fast.num_replays == 0 and "another tensor-parallel rank" in fast.disabled_reason
+    engine.close()
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_equal_eager_on_cuda():
     model = make_model("llama", seed=3).cuda()

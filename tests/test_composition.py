@@ -37,10 +37,6 @@ class Cell:
 
 
 ONE_SETTING = "one setting: the two are values of the same key"
-TP_QUANT = ("not yet: quantized layers are not sharded (the owned-layers work will shard them); "
-            "`ValueError: quantization='int8' is not supported with tensor_parallel_size > 1 yet`")
-TP_REPLAY = ("every rank runs the layers' forwards eagerly: the all-reduces are module hooks, which replayed "
-             "kernels would skip; `ValueError: decode_runner=... cannot be used with tensor_parallel_size > 1`")
 NO_REFERENCE = "both change the output, so there is no one-feature reference: it runs, and both act"
 BEAMS_DO_NOT_SPECULATE = "beams do not speculate: the same beams, without the speed-up"
 GREEDY_N = ("compared with greedy `n=2`: under speculation seeded samples follow the same distribution but take "
@@ -48,12 +44,6 @@ GREEDY_N = ("compared with greedy `n=2`: under speculation seeded samples follow
 QUANT_NATIVE = "the program runs the quantized linears; `prepack_weights` has no float linear left to pack"
 
 OUTCOMES: dict[tuple[str, str], Cell] = {
-    ("tp", "int8"): Cell("refused", TP_QUANT),
-    ("tp", "int4"): Cell("refused", TP_QUANT),
-    ("tp", "self"): Cell("refused", "`self:N` drafts with the target's own layers, which are sharded; use ngram "
-                                    "or a separate draft model (it runs on rank 0)"),
-    ("tp", "static"): Cell("refused", TP_REPLAY),
-    ("tp", "native"): Cell("refused", TP_REPLAY),
     ("int8", "int4"): Cell("n/a", ONE_SETTING),
     ("ngram", "self"): Cell("n/a", ONE_SETTING),
     ("swap", "recompute"): Cell("n/a", ONE_SETTING),

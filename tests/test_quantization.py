@@ -57,6 +57,10 @@ def test_engines_share_one_quantization_and_refuse_another():
         assert isinstance(model.model.layers[0].mlp.up_proj, QuantLinear)  # still held by a
         with pytest.raises(ValueError, match="another engine on this model runs it with quantization='int8'"):
             PagedGenerator(model, num_blocks=16, quantization="int4")
+        # a float engine would run a's int8 layers: refused by name, whichever activation mode it asks for
+        for mode in ("float", "auto"):
+            with pytest.raises(ValueError, match=r"quantization=None.*another engine.*quantization='int8'"):
+                PagedGenerator(model, num_blocks=16, quant_activations=mode)
     assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
 
 

@@ -76,6 +76,42 @@ def test_greedy_parity_with_stock_generate_and_one_process(arch):
     engine.close()
 
 
+@pytest.mark.parametrize("arch,settings", [
+    ("llama", dict(quantization="int8")),
+    ("qwen2", dict(quantization="int4", kv_cache_dtype="int8")),
+    ("mistral", dict(decode_runner="native", prepack_weights="native")),
+    ("llama", dict(decode_runner="static", prepack_weights=False)),
+    ("qwen2", dict(speculative_config=dict(method="draft_model", model="self:1", num_speculative_tokens=2),
+                   decode_runner="native", prepack_weights="native")),
+], ids=["int8", "int4-kv8", "native-program", "static-buckets", "self-draft"])
+def test_composes_with_quantization_and_fast_step_runners(arch, settings):
+    """The collectives are part of the layers (ParallelLinear), so each rank quantizes its slices and replays its
+    steps on the native program or decode buckets, and the tokens are the one-process engine's."""
+    from hf_paged.cpu.quant_linear import QuantLinear
+    from hf_paged.model.layers.linear import ParallelLinear
+
+    model = make_model(arch)
+    prompts = make_prompts(4, [3, 20, 49, 70], seed=5)
+    single = PagedGenerator(model, num_blocks=80, max_num_batched_tokens=32, **settings)
+    want = _tokens(single.generate(prompts, GREEDY, use_tqdm=False))
+    single.close()
+    engine = PagedGenerator(model, tensor_parallel_size=2, num_blocks=80, max_num_batched_tokens=32, **settings)
+    assert _tokens(engine.generate(prompts, GREEDY, use_tqdm=False)) == want
+    shard = engine.executor.model
+    parallel = [m for m in shard.modules() if type(m) is ParallelLinear]
+    assert len(parallel) == 2 * model.config.num_hidden_layers + 1  # o/down of every layer, and the LM head
+    if "quantization" in settings:
+        assert all(type(m.base) is QuantLinear for m in parallel)  # the slices quantized inside their layers
+    fast = engine.executor.runner.fast
+    if settings.get("decode_runner") == "native":
+        assert type(fast).__name__ == "DecodeProgram" and fast.num_runs > 0
+    if settings.get("decode_runner") == "static":
+        assert type(fast).__name__ == "DecodeBuckets" and fast.num_replays > 0
+    if "speculative_config" in settings:  # the draft forwards ran the first layer's shard on every rank
+        assert engine.stats().spec_num_draft_tokens > 0
+    engine.close()
+
+
 def test_prefix_caching_n_samples_and_speculative_decoding():
     model = make_model("llama")
     shared = make_prompts(1, [40], seed=5)[0]
@@ -143,6 +179,7 @@ def test_openai_server_on_a_tensor_parallel_engine():
     messages = [{"role": "user", "content": "Name three colors."}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     want = stock_greedy(model, ids, 8)
+    threads = torch.get_num_threads()
     with serve(model, tokenizer, TINY_NAME, tensor_parallel_size=2, num_blocks=64) as (url, loop):
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         reply = client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=8, temperature=0)
@@ -150,6 +187,9 @@ def test_openai_server_on_a_tensor_parallel_engine():
         chunks = client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=8, temperature=0,
                                                 stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+    # rank 0 shares the cores with its worker only while it works: built here, stepped and closed on the loop's
+    # thread, the engine leaves this thread's count as it was (it once left it at cores / 2)
+    assert torch.get_num_threads() == threads
 
 
 def test_default_model_from_pretrained():
@@ -197,11 +237,11 @@ def test_bad_configurations_are_refused_before_any_process_starts():
         PagedGenerator(model, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 is more than the model's 2 key/value heads"):
         PagedGenerator(model, tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="self:N"):
-        PagedGenerator(model, tensor_parallel_size=2,
-                       speculative_config=dict(method="draft_model", model="self:1", num_speculative_tokens=2))
-    with pytest.raises(ValueError, match="quantization='int8' is not supported with tensor_parallel_size"):
-        PagedGenerator(model, tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(ValueError, match="decode_runner='inductor' cannot be used with tensor_parallel_size > 1"):
+        PagedGenerator(model, tensor_parallel_size=2, decode_runner="inductor")
+    with PagedGenerator(model, num_blocks=16, quantization="int8"):  # its int8 layers live while it does
+        with pytest.raises(ValueError, match="another engine on this model quantized its linears"):
+            PagedGenerator(model, tensor_parallel_size=2)
     with pytest.raises(TypeError, match="needs tensor_parallel_size > 1"):
         PagedGenerator("/no/such/folder")
     assert head_split(9, 3, 2) == [(0, 3, 0, 1), (3, 9, 1, 3)]  # uneven: the default model's 3 KV heads
@@ -455,3 +495,36 @@ def test_a_server_whose_worker_dies_says_so_and_exits_for_its_supervisor(tmp_pat
             while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not os.path.exists(f"/proc/{pid}"), "a worker outlived its server"
+
+
+def test_sharded_quantized_model_equals_one_process():
+    """A model quantized for good (quantize_model; a GGUF file kept is the same QuantLinear layers) shards its bytes:
+    rows of q/k/v, gate/up and the LM head, the column blocks of o/down (their int8 row scales whole), and gives
+    the one-process engine's tokens on every rank's native decode program."""
+    from hf_paged import quantize_model
+
+    prompts = make_prompts(4, [3, 20, 49, 70], seed=5)
+    for arch, quantization in (("llama", "int4"), ("qwen2", "int8")):
+        model = quantize_model(make_model(arch), quantization)
+        one = PagedGenerator(model, num_blocks=80, max_num_batched_tokens=32)
+        want = _tokens(one.generate(prompts, GREEDY, use_tqdm=False))
+        one.close()
+        engine = PagedGenerator(model, tensor_parallel_size=2, num_blocks=80, max_num_batched_tokens=32)
+        assert _tokens(engine.generate(prompts, GREEDY, use_tqdm=False)) == want
+        fast = engine.executor.runner.fast
+        assert type(fast).__name__ == "DecodeProgram" and fast.num_runs > 0
+        engine.close()
+
+
+def test_auto_activation_mode_is_rank_zeros_pick():
+    """quant_activations="auto" times the kernel modes; under TP every rank runs the mode rank 0 picked (broadcast
+    at start), so the tokens are those of one process running that mode."""
+    model = make_model("llama")
+    prompts = make_prompts(3, [5, 30, 60], seed=2)
+    engine = PagedGenerator(model, tensor_parallel_size=2, num_blocks=80, quantization="int4", quant_activations="auto")
+    got = _tokens(engine.generate(prompts, GREEDY, use_tqdm=False))
+    mode = engine.executor.inner.quantized.activations
+    engine.close()
+    assert mode in ("float", "int8", "bf16")
+    with PagedGenerator(model, num_blocks=80, quantization="int4", quant_activations=mode) as one:
+        assert _tokens(one.generate(prompts, GREEDY, use_tqdm=False)) == got

@@ -9,10 +9,10 @@ def system_names() -> dict[str, tuple[str, ...]]:
     from hf_paged.bench.replicas import ROUTINGS
     from hf_paged.bench.serve import SYSTEMS as SERVE
     from hf_paged.bench.spec import SYSTEMS as SPEC
-    from hf_paged.bench.workloads import EAGER, QUANTIZED, SYSTEMS, TP2
+    from hf_paged.bench.workloads import EAGER, QUANTIZED, SYSTEMS, TP2_SYSTEMS
 
     return {
-        "chat": (*SYSTEMS["chat"], EAGER, TP2, *QUANTIZED),
+        "chat": (*SYSTEMS["chat"], EAGER, *TP2_SYSTEMS, *QUANTIZED),
         "mixed": SYSTEMS["mixed"],
         "latency": (*SYSTEMS["latency"], EAGER, *QUANTIZED),
         "prefix": SYSTEMS["prefix"],

@@ -19,6 +19,8 @@ from hf_paged.engine_setup import token_id_list
 ENGINE = "hf_paged"
 EAGER = "eager"  # --systems name of the engine run with enforce_eager=True (chat, latency)
 TP2 = "tp2"  # --systems name of the engine with tensor_parallel_size=2 (chat)
+# --systems names of the tensor-parallel engines (chat): tp2, and tp2 on weights quantized at start
+TP2_SYSTEMS = {TP2: {}, "tp2-int8": {"quantization": "int8"}, "tp2-int4": {"quantization": "int4"}}
 # --systems names of the engine on quantized weights (chat, latency); "-a8" / "-bf16": with int8 / bf16 activations
 QUANT_ACTIVATIONS = {"": "float", "a8": "int8", "bf16": "bf16"}
 QUANTIZED = tuple(f"{n}{'-' if a else ''}{a}" for n in ("gguf_q4_1", "int8", "int4") for a in QUANT_ACTIVATIONS)
@@ -132,22 +134,29 @@ def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, 
     if EAGER in want:
         results.append(_kv_label(_eager_run(model, prompts, params, kw, repeat), kv_cache_dtype))
     extra = {"requests": len(prompts), "model": "SmolLM2-135M-Instruct"}
-    if TP2 in want:  # the engine sharded over 2 processes (they share this machine's cores)
+    tp_outputs = {}
+    for name, tp_kw in TP2_SYSTEMS.items():  # the engine sharded over 2 processes (they share this machine's cores)
+        if name not in want:
+            continue
         from hf_paged.executor.tensor_parallel import COMM
 
         tp_runs = []
         for _ in range(max(1, repeat)):
             COMM.seconds, COMM.bytes, COMM.calls = 0.0, 0, 0
-            tp_runs.append(run_engine(model, prompts, params, {**kw, "tensor_parallel_size": 2}))
-        tp_res, tp_outputs, tp_stats = min(tp_runs, key=lambda r: r[0].seconds)
-        tp_res.system = f"{_kv_name(ENGINE, kv_cache_dtype)}, tensor_parallel_size=2"
+            tp_runs.append(run_engine(model, prompts, params, {**kw, **tp_kw, "tensor_parallel_size": 2}))
+        tp_res, tp_outputs[name], tp_stats = min(tp_runs, key=lambda r: r[0].seconds)
+        quant = f", quantization={tp_kw['quantization']}" if tp_kw else ""
+        tp_res.system = f"{_kv_name(ENGINE, kv_cache_dtype)}, tensor_parallel_size=2{quant}"
         results.append(tp_res)
-        extra["tp2_comm_(last_run)"] = tp_stats["comm"]
+        extra[f"{name}_comm_(last_run)"] = tp_stats["comm"]
     engines, outputs, stats = _engine_rounds(want, dtype, model, prompts, params, kw, repeat)
     results += engines
     extra["kv_pool"] = stats["kv_pool"]
-    if TP2 in want:
-        extra["tp2_same_tokens_as_one_process"] = f"{sum(a == b for a, b in zip(outputs, tp_outputs))}/{len(prompts)}"
+    one_process = {TP2: outputs, **{f"tp2-{n}": o for n, o in stats.get("quantized_outputs", {}).items()}}
+    for name, got in tp_outputs.items():  # each against the one-process engine with the same weights, if it ran
+        if name in one_process:
+            same = sum(a == b for a, b in zip(one_process[name], got))
+            extra[f"{name}_same_tokens_as_one_process"] = f"{same}/{len(prompts)}"
     if hf_outputs is not None:
         # Greedy outputs of a padded batch and of the engine should agree (fp32: exactly, in practice).
         extra["same_tokens_as_hf_generate"] = f"{sum(a == b for a, b in zip(outputs, hf_outputs))}/{len(prompts)}"
@@ -173,6 +182,7 @@ def _engine_rounds(want, dtype, model, prompts, params, base: dict, repeat) -> t
                 best[name] = res
                 if name == ENGINE:
                     stats = run_stats
+    stats["quantized_outputs"] = {name: outputs[name] for name, _, _ in systems if name != ENGINE}
     for name, _, _ in systems:
         res = best[name]
         res.system = _kv_name(ENGINE if name == ENGINE else f"{ENGINE}, {name}", kv_cache_dtype)

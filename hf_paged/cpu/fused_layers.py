@@ -32,6 +32,7 @@ import torch
 from hf_paged import attention, model_patches
 from hf_paged.cpu import fused_ops
 from hf_paged.cpu.quant_linear import QuantLinear
+from hf_paged.model.layers.linear import linear_of
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,10 @@ def _why_not(layer: torch.nn.Module) -> str:
             return f"{child} is {_class_name(type(children[child]))}, expected transformers' {family}{role}"
     if set(dict(attn.named_children())) != _ATTN_CHILDREN or set(dict(mlp.named_children())) != _MLP_CHILDREN:
         return "unexpected attention or MLP submodules"
-    linears = [getattr(attn, n) for n in _ATTN_CHILDREN] + [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    # o_proj and down_proj of a tensor-parallel shard are ParallelLinears (the fused forward calls them as
+    # modules, so their all-reduce runs); the projections it groups into one GEMM must be plain
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj,
+               linear_of(attn.o_proj), linear_of(mlp.down_proj)]
     if any(type(m) not in (torch.nn.Linear, QuantLinear) for m in linears):
         return "a projection is not a plain nn.Linear or a QuantLinear"
     if type(mlp.act_fn) not in silu_classes():

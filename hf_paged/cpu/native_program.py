@@ -32,6 +32,7 @@ from hf_paged.cpu.program_fit import hooks, skipped_modules, why_not
 from hf_paged.cpu import attention as cpu_attention, fused_ops
 from hf_paged.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
 from hf_paged.cpu.quant_program import QuantEmbedding, QuantLinear, QuantOp, quant_group
+from hf_paged.model.layers.linear import ParallelLinear, linear_of
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class DecodeProgram:
         self.why_not = ""  # why the last step could not run as the program ("" when it could)
         self._failures = self._retry_in = 0
         self._ops: list = []
+        self._head_op = -1  # index of the LM head's GEMM in _ops (skipped when no row is sampled)
         self._groups: list = []
         self._windows: list = []
         self.logits_capacity = 0
@@ -137,7 +139,9 @@ class DecodeProgram:
         self._max_q.value = native.max_q
         gate_up = self._gate_up[:rows]
         self._act[:] = (gate_up[:, : self.intermediate], gate_up[:, self.intermediate :])
-        for fn, args in self._ops if sampled else self._ops[:-1]:  # no sampled row: no LM head
+        for i, (fn, args) in enumerate(self._ops):
+            if i == self._head_op and not sampled:  # no sampled row: no LM head (its gather, if any, still runs)
+                continue
             rc = fn(*args)
             if rc:  # the kernels return nonzero when they cannot allocate scratch or meet a slot past the pool
                 raise RuntimeError(f"native decode program: {getattr(fn, '__name__', fn)} returned {rc}")
@@ -225,6 +229,15 @@ class DecodeProgram:
         scalars = [(model.config, "num_hidden_layers", len(layers))]
         groups, keep = [], []  # keep: every tensor and pack whose address a call holds
 
+        def linear_ops(module: torch.nn.Module, x: torch.Tensor, x_stride: int, y: torch.Tensor) -> list:
+            # a projection's GEMM into ``y``, then (a tensor-parallel shard's row-parallel layer) its all-reduce
+            base = linear_of(module)
+            ops = [gemm_op(*pack_of(base), x, x_stride, y)]
+            if base is not module:
+                seen.append(_seen(module._modules, "base"))
+                ops.append((_Finish(module, y, self._rows), ()))
+            return ops
+
         def pack_of(module: torch.nn.Linear):
             # a single projection's current pack (packed again if its weight changed), as its forward would
             if type(module) is QuantLinear:
@@ -288,6 +301,8 @@ class DecodeProgram:
         X, R, Hn, QKVb, A, O = new(hidden), new(hidden), new(hidden), new(qkv_w), new(q_w), new(hidden)
         GU, M = new(2 * inter), new(hidden)
         logits = torch.zeros(logits_capacity, model.lm_head.out_features, dtype=dtype)
+        head = linear_of(model.lm_head)  # a tensor-parallel shard: its vocabulary rows, gathered on rank 0 after
+        local = logits if head is model.lm_head else torch.zeros(logits_capacity, head.out_features, dtype=dtype)
         ops: list = []
         windows = []
         for i, layer in enumerate(layers):
@@ -336,21 +351,25 @@ class DecodeProgram:
                 float(attn.scaling), int(windows[-1][1] or 0), 0.0, dt, cpu_attention.KV_DTYPE_CODES[k_cache.dtype],
                 self._max_q, threads,
             )))
-            ops.append(gemm_op(*pack_of(attn.o_proj), A, q_w, O))
+            ops.extend(linear_ops(attn.o_proj, A, q_w, O))
             ops.append(norm_op(layer.post_attention_layernorm, O, Hn, residual=X, total=R))
             gu_pack, gu_bias = group_of(mlp, GATE_UP)
             if _shape(gu_pack) != (2 * inter, hidden):
                 raise _Unfit("decoder layers of different MLP widths")
             ops.append(gemm_op(gu_pack, gu_bias, Hn, hidden, GU))
             ops.append((self._silu_mul, ()))
-            ops.append(gemm_op(*pack_of(mlp.down_proj), GU, 2 * inter, M))
+            ops.extend(linear_ops(mlp.down_proj, GU, 2 * inter, M))
         ops.append((self._final_norm, ()))
-        ops.append(gemm_op(*pack_of(model.lm_head), Hn, hidden, logits, rows=self._sampled))  # stays last
+        head_op = len(ops)
+        ops.append(gemm_op(*pack_of(head), Hn, hidden, local, rows=self._sampled))
+        if head is not model.lm_head:  # every rank's rows of the logits to rank 0
+            seen.append(_seen(model.lm_head._modules, "base"))
+            ops.append((_Finish(model.lm_head, local, self._sampled, out=logits), ()))
         seen.append(_seen(embed._buffers if type(embed) is QuantEmbedding else embed._parameters,
                           "qweight" if type(embed) is QuantEmbedding else "weight"))
         # -- all built: install (the KV pools stay referenced by the engine; the buffers and packs by the program)
         self._x, self._r, self._h, self._qkv, self._a, self._o, self._gate_up, self._m = X, R, Hn, QKVb, A, O, GU, M
-        self._logits = logits
+        self._logits, self._head_op = logits, head_op
         self._ops, self._scalars, self._groups, self._windows, self._keep = ops, scalars, groups, windows, keep
         self._same_objects = [entry[:3] for entry in seen if entry[4] is None]
         self._same_tensors = [entry for entry in seen if entry[4] is not None]
@@ -391,6 +410,22 @@ class _Linear:
     def __call__(self) -> None:
         n = self.rows.value
         self.y[:n].copy_(self.pack.linear(self.x[:n, : self.in_features], self.bias))
+
+
+class _Finish:
+    """A tensor-parallel layer's collective on its step buffer: ``layer.finish(y[:rows])`` (the all-reduce of a
+    row-parallel projection, in place; the LM head's gather, into ``out`` on rank 0), as its forward runs it."""
+
+    __name__ = "finish"
+
+    def __init__(self, layer: ParallelLinear, y: torch.Tensor, rows: ctypes.c_int, out: torch.Tensor | None = None) -> None:
+        self.layer, self.y, self.rows, self.out = layer, y, rows, out
+
+    def __call__(self) -> None:
+        n = self.rows.value
+        done = self.layer.finish(self.y[:n])
+        if self.out is not None and self.layer.rank == 0:
+            self.out[:n].copy_(done)
 
 
 class _Unfit(Exception):

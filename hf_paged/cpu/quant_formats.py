@@ -54,11 +54,14 @@ def dequantize_torch(qweight: torch.Tensor, fmt: str, scales: torch.Tensor | Non
     return (d * q + _half(blocks[..., 2:4]).unsqueeze(-1)).reshape(n, in_features)
 
 
-def quantize(weight: torch.Tensor, quantization: str) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+def quantize(weight: torch.Tensor, quantization: str, row_absmax: torch.Tensor | None = None,
+             ) -> tuple[str, torch.Tensor, torch.Tensor | None]:
     """Quantize a float weight ``[N, K]``: ``(format, qweight, scales)``.
 
     ``quantization``: "int8" (per output channel, symmetric, round to nearest), "int4" (groups of 32 with a
     scale and a min, stored as "q4_1"), or a format name "q8_0", "q4_0", "q4_1" (GGUF's own quantizers' math).
+    ``row_absmax`` (int8 only): each row's largest magnitude to scale by, where ``weight`` is a slice of the
+    rows' columns (a tensor-parallel shard) and the scale must be the whole row's.
     """
     fmt = QUANTIZATIONS.get(quantization, quantization)
     if fmt not in FORMATS:
@@ -67,7 +70,7 @@ def quantize(weight: torch.Tensor, quantization: str) -> tuple[str, torch.Tensor
     check_format(fmt, k)
     w = weight.detach().float()
     if fmt == "int8":
-        scales = w.abs().amax(dim=1) / 127
+        scales = (w.abs().amax(dim=1) if row_absmax is None else row_absmax.float()) / 127
         inv = torch.where(scales == 0, 0.0, 1 / scales)
         q = torch.round(w * inv[:, None]).clamp(-127, 127).to(torch.int8)
         return fmt, q.view(torch.uint8).contiguous(), scales.contiguous()

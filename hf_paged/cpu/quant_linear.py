@@ -221,9 +221,9 @@ class QuantLinear(torch.nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str,
-                    activations: str = "float") -> QuantLinear:
+                    activations: str = "float", row_absmax: torch.Tensor | None = None) -> QuantLinear:
         """Quantize a float ``weight [N, K]`` (see :func:`quantize`)."""
-        fmt, qweight, scales = quantize(weight, quantization)
+        fmt, qweight, scales = quantize(weight, quantization, row_absmax)
         return cls(weight.shape[1], weight.shape[0], fmt, qweight, scales, bias, activations)
 
     @classmethod

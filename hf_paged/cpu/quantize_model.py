@@ -23,6 +23,7 @@ import torch
 
 from hf_paged.cpu import quant_modes
 from hf_paged.cpu.quant_linear import ACTIVATIONS, GROUP, QUANTIZATIONS, QuantLinear
+from hf_paged.model.layers.linear import ParallelLinear, linear_of, rank0_choice
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class QuantizedLinears:
             layer = quant_modes.representative_layer(model)
             self._auto = layer is not None
             activations = "float" if layer is None else quant_modes.fastest_mode(layer, max_rows)
+            activations = rank0_choice(model, activations)  # a tensor-parallel shard runs rank 0's pick
             logger.info("quant_activations='auto' runs the %r mode here", activations)
         self.activations = activations
         for layer in model.modules():
@@ -74,16 +76,24 @@ class QuantizedLinears:
                 layer.activations = activations
 
     def _swap(self, model: torch.nn.Module, quantization: str, lm_head: bool) -> None:
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        # (a tensor-parallel shard's head is a ParallelLinear: its slice is the linear to quantize)
+        head = linear_of(model.get_output_embeddings()) if hasattr(model, "get_output_embeddings") else None
         unfit = []
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is not torch.nn.Linear or (child is head and not lm_head):
                     continue
-                if child.in_features % GROUP or child.weight.device.type != "cpu":
+                fit = child.in_features % GROUP == 0 and child.weight.device.type == "cpu"
+                shard = parent if type(parent) is ParallelLinear else None  # a tensor-parallel rank's slice
+                if shard is not None:
+                    fit = shard.agree(fit)  # every rank quantizes its slice, or none does
+                if not fit:
                     unfit.append(child)
                     continue
-                setattr(parent, name, QuantLinear.from_linear(child, HEAD_FORMAT if child is head else quantization))
+                fmt = HEAD_FORMAT if child is head else quantization
+                # int8 scales are per row: a row-parallel slice takes the whole row's (as one process has it)
+                absmax = shard.row_absmax() if shard is not None and fmt == "int8" else None
+                setattr(parent, name, QuantLinear.from_weight(child.weight, child.bias, fmt, row_absmax=absmax))
                 self._swapped.append((parent, name, child))
         if unfit:
             logger.warning(

@@ -75,8 +75,12 @@ class DecodeBuckets:
 
     def __init__(
         self, model: torch.nn.Module, kv_caches, block_size: int, mode: str, buckets: Sequence[int],
-        max_query_len: int, max_model_len: int, block_tables: BlockTables,
+        max_query_len: int, max_model_len: int, block_tables: BlockTables, agree=None,
     ) -> None:
+        # agree: tensor parallelism: the smallest of every rank's value (1: this rank built a bucket, 0: it could
+        # not), so that all ranks take a bucket or none: a padded step and an unpadded one run collectives of
+        # different sizes
+        self.agree = agree
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -167,11 +171,17 @@ class DecodeBuckets:
         key = (bucket, q)
         fn = self.graphs.get(key)
         if fn is None:
+            why = None
             try:
-                fn = self.graphs[key] = self._build(bucket, q)
+                fn = self._build(bucket, q)
             except Exception as e:  # noqa: BLE001 - never a crash: the dynamic eager path serves instead
-                self.disable(f"building decode bucket {bucket} x {q} ({self.mode}) failed: {type(e).__name__}: {e}")
+                why = f"{type(e).__name__}: {e}"
+            if self.agree is not None and self.agree(0 if why else 1) == 0 and why is None:
+                why = "another tensor-parallel rank could not build it"
+            if why is not None:
+                self.disable(f"building decode bucket {bucket} x {q} ({self.mode}) failed: {why}")
                 return None
+            self.graphs[key] = fn
         logits = fn()
         self.num_replays += 1
         return logits[: len(scheduled) * q]

@@ -159,7 +159,7 @@ class UniProcExecutor(Executor):
             attention = AttentionBackend(self.backend, cfg.block_size, native_max_q)
             tables = BlockTables()
             fast = make_fast_runner(model, cfg, self.pool, self.backend, self.max_model_len, self.packed, self.fused,
-                                    tables)
+                                    tables, agree)
             self.runner = ModelRunner(model, self.pool, attention, Sampler(self.device, cfg.seed), self.max_model_len,
                                       fast, tables)
         except BaseException:
@@ -182,8 +182,8 @@ class UniProcExecutor(Executor):
         collectives meet rank 0's), without sampling (rank 0 samples)."""
         self.runner.execute_forward(out)
 
-    def add_proposer(self, key: str, spec) -> None:
-        self.runner.speculator.add(key, make_proposer(spec, self.runner, self.max_model_len))
+    def add_proposer(self, key: str, spec, announce=None) -> None:
+        self.runner.speculator.add(key, make_proposer(spec, self.runner, self.max_model_len, announce))
 
     def has_proposer(self, key: str) -> bool:
         return key in self.runner.speculator.proposers

@@ -44,27 +44,41 @@ from hf_paged.executor.process_group import (  # noqa: F401 - TensorParallelErro
 )
 from hf_paged.executor.shard_loading import ModelSource
 from hf_paged.executor.tensor_parallel import check_shardable
+from hf_paged.spec_decode.draft_model import truncated_view
 
 logger = logging.getLogger(__name__)
 
 
 def worker_config(cfg: EngineConfig) -> EngineConfig:
-    """The execution settings every rank runs: steps on the layers' forwards (the fused CPU layers too: they call
-    o_proj and down_proj as modules, so the all-reduce hooks run), never the native decode program or decode
-    buckets (they replay kernels without the hooks); no speculative proposer (rank 0's)."""
-    return dataclasses.replace(cfg, enforce_eager=True, decode_runner="auto", speculative_config=None,
-                               tensor_parallel_size=1)
+    """The execution settings every rank runs: the engine's own (quantization, KV dtype, fast step runners: the
+    collectives are part of the layers, so a replayed step runs them too), one process each. The speculative
+    configuration stays for the sizes it sets (decode buckets' query lengths, equal on every rank); the proposer
+    itself is rank 0's."""
+    return dataclasses.replace(cfg, tensor_parallel_size=1)
 
 
 def check_config(cfg: EngineConfig) -> None:
-    if cfg.quantization is not None:
-        raise ValueError(f"quantization={cfg.quantization!r} is not supported with tensor_parallel_size > 1 yet")
-    if cfg.decode_runner not in ("auto", "eager"):
-        raise ValueError(f"decode_runner={cfg.decode_runner!r} cannot be used with tensor_parallel_size > 1 (steps run eagerly)")
-    spec = cfg.speculative_config
-    if spec is not None and spec.self_draft_layers is not None:
-        raise ValueError("speculative_config 'self:N' drafts with the target's own (sharded) layers; with "
-                         "tensor_parallel_size > 1 use ngram or a separate draft model (it runs on rank 0)")
+    """ValueError naming what tensor parallelism cannot combine with (the rest composes)."""
+    if cfg.decode_runner == "inductor":
+        raise ValueError("decode_runner='inductor' cannot be used with tensor_parallel_size > 1: the compiled graph "
+                         "would break at every collective; use 'auto', 'native', 'static' or 'cuda_graphs'")
+
+
+@dataclasses.dataclass
+class DraftStep:
+    """A ``self:N`` draft forward rank 0 is about to run: every rank runs it on the first ``layers`` layers of its
+    shard (their all-reduces and the head's gather need every rank)."""
+
+    layers: int
+    batch: list
+    tables: dict[int, list[int]]
+
+
+def _draft_forward(executor: UniProcExecutor, views: dict, msg: DraftStep) -> None:
+    view = views.get(msg.layers)
+    if view is None:
+        view = views[msg.layers] = truncated_view(executor.model, msg.layers)
+    executor.runner.draft_logits(msg.batch, executor.describe().pool.kv_caches, msg.tables, view)
 
 
 def _agree_min(value: int) -> int:
@@ -111,12 +125,17 @@ def run_worker(source: ModelSource, cfg: EngineConfig, rank: int, world: int, in
         executor = build_rank(source, cfg, rank, world)
         if conn is not None:
             conn.send(("ready", rank))
+        views: dict = {}  # self:N draft views of the shard, by N
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0)
             if box[0] is None:
                 break
-            executor.execute_forward(box[0])
+            if isinstance(box[0], DraftStep):
+                with torch.inference_mode():
+                    _draft_forward(executor, views, box[0])
+            else:
+                executor.execute_forward(box[0])
     except BaseException as e:  # noqa: BLE001 - reported to rank 0 where it can still listen
         if conn is not None:
             with contextlib.suppress(Exception):
@@ -166,12 +185,16 @@ class TensorParallelExecutor(Executor):
         check_config(cfg)
         self.world = world = cfg.tensor_parallel_size
         self.source = source = ModelSource.of(source)
+        if source.device == "cuda" and cfg.decode_runner == "auto":
+            # CUDA graphs with the collectives captured inside have not run on a GPU yet (our machines have none):
+            # eager steps by default there; decode_runner="cuda_graphs" asks for them
+            cfg = dataclasses.replace(cfg, enforce_eager=True)
         self.timeout_s = cfg.distributed_timeout
         self.processes: list = []
         self.conns: list = []
         self.failed: str | None = None
         self.inner: UniProcExecutor | None = None
-        self._threads = torch.get_num_threads()
+        self._threads = None  # rank 0's threads in its own work, where it shares the cores with spawned ranks
         check_shardable(source.skeleton(), world)  # a clear error before any process starts
         found = launched()
         if found is not None:
@@ -190,7 +213,8 @@ class TensorParallelExecutor(Executor):
                 init_group(0, world, init_method, self.timeout_s, source.rank_device(0), self._store, self._wait_joined)
             else:
                 init_group(0, world, init_method, self.timeout_s, source.rank_device(0))
-            self.inner = build_rank(source, cfg, 0, world)
+            with _thread_count(self._threads):
+                self.inner = build_rank(source, cfg, 0, world)
             self._wait_ready()
         except BaseException as e:
             self._shutdown(broadcast=False)
@@ -224,8 +248,7 @@ class TensorParallelExecutor(Executor):
     # -- start --------------------------------------------------------------------------------------
     def _spawn(self, source: ModelSource, cfg: EngineConfig, init_method: str) -> None:
         ctx = mp.get_context("spawn")
-        threads = max(1, self._threads // self.world)
-        torch.set_num_threads(threads)
+        threads = self._threads = max(1, torch.get_num_threads() // self.world)
         for rank in range(1, self.world):
             parent, child = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_spawned_worker, name=f"hf-paged-tp{rank}", daemon=True,
@@ -308,15 +331,19 @@ class TensorParallelExecutor(Executor):
 
     def describe(self) -> ExecutorSetup:
         """Rank 0's part (every rank built the same from the same settings, over its own shard)."""
-        return dataclasses.replace(self.inner.describe(), quantized=None)
+        return self.inner.describe()
+
+    def _broadcast(self, message) -> None:
+        started = time.perf_counter()
+        dist.broadcast_object_list([message], src=0)
+        self.comm_seconds += time.perf_counter() - started
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._check_alive()
         try:
-            started = time.perf_counter()
-            dist.broadcast_object_list([dataclasses.replace(out, new_sequences=[])], src=0)
-            self.comm_seconds += time.perf_counter() - started
-            return self.inner.execute_model(out)
+            self._broadcast(dataclasses.replace(out, new_sequences=[]))
+            with _thread_count(self._threads):
+                return self.inner.execute_model(out)
         except TensorParallelError:
             raise
         except Exception as e:  # noqa: BLE001 - the ranks may be out of step now: the group cannot go on
@@ -330,9 +357,15 @@ class TensorParallelExecutor(Executor):
             self._fail(summary, f"{summary}: {_first_line(e)}", e)
 
     def add_proposer(self, key: str, spec) -> None:
-        if spec.self_draft_layers is not None:
-            raise ValueError("speculative_config 'self:N' cannot draft with a sharded model; use ngram or a draft model")
-        self.inner.add_proposer(key, spec)
+        if spec.self_draft_layers is None:  # ngram, or a separate draft model: rank 0's alone
+            self.inner.add_proposer(key, spec)
+            return
+        layers = spec.self_draft_layers
+
+        def announce(batch, tables) -> None:  # every rank runs the draft forward on its shard's first layers
+            self._broadcast(DraftStep(layers, batch, {item.seq_id: list(tables[item.seq_id]) for item in batch}))
+
+        self.inner.add_proposer(key, spec, announce)
 
     def has_proposer(self, key: str) -> bool:
         return self.inner.has_proposer(key)
@@ -350,7 +383,6 @@ class TensorParallelExecutor(Executor):
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-        torch.set_num_threads(self._threads)
 
     def close(self) -> None:
         if self.inner is not None:
@@ -358,6 +390,21 @@ class TensorParallelExecutor(Executor):
         if self.failed is None and (self.processes or dist.is_initialized()):
             self._shutdown(broadcast=True)
         self._at_exit.detach()
+
+
+@contextlib.contextmanager
+def _thread_count(threads: int | None):
+    """Run with ``threads`` intra-op threads (None: as is), giving the calling thread its own count back after: the
+    count is per OS thread, and the engine may be built in one thread and stepped in another (the server's loop)."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _exit_text(code: int | None) -> str:

@@ -75,6 +75,12 @@ def maybe_quantize(model: torch.nn.Module, cfg: EngineConfig, device: torch.devi
     model), or None where neither is asked for."""
     want = (cfg.quantization, cfg.quant_activations)
     if want == (None, "float") or (want == (None, "auto") and device.type != "cpu"):
+        held = model_patches.current(model, "quantization")
+        if held is not None and not held.serves(*want):  # it would run another engine's layers or kernel mode
+            raise ValueError(
+                f"quantization={cfg.quantization!r}, quant_activations={cfg.quant_activations!r}: another engine on "
+                f"this model runs it with quantization={held.quantization!r}, quant_activations={held.activations!r} "
+                "for as long as it lives; close it first, or ask for the same")
         return None  # ("auto" without quantized CPU layers has nothing to pick)
     if device.type != "cpu":
         raise ValueError(f"quantization={cfg.quantization!r} runs CPU kernels; this model is on {device}")
@@ -154,7 +160,7 @@ def maybe_fuse(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, 
 
 
 def make_fast_runner(model, cfg: EngineConfig, pool: KVPool, backend: str, max_model_len: int, packed, fused,
-                     block_tables: BlockTables):
+                     block_tables: BlockTables, agree=None):
     """The one fast step runner for this configuration and device, or None (every step eager): decode buckets
     (CUDA graphs, inductor, static) or, on CPU, the native decode program where the model fits it. ValueError
     naming the reason where ``decode_runner="native"`` was asked for explicitly and cannot be had."""
@@ -165,7 +171,7 @@ def make_fast_runner(model, cfg: EngineConfig, pool: KVPool, backend: str, max_m
         spec = cfg.speculative_config
         max_q = 1 + (spec.num_speculative_tokens if spec is not None else 0)
         return DecodeBuckets(model, pool.kv_caches, pool.block_size, mode, cfg.decode_buckets, max_q, max_model_len,
-                             block_tables)
+                             block_tables, agree)
     why = why_not(model, fused, packed)
     if not why and (backend != "cpu" or not pool.supports_native() or not cpu_attention.available(pool.cache_dtype)):
         why = f"it needs the native CPU attention (backend {backend!r}, {cpu_attention.unavailable_reason(pool.cache_dtype) or 'pool layout'})"
@@ -189,8 +195,9 @@ def check_speculative(spec) -> None:
             raise ValueError(f"speculative_config model {spec.model!r}: no such folder (give a model, a folder or 'self:N')")
 
 
-def make_proposer(spec, runner, max_model_len: int):
-    """The proposer a :class:`~hf_paged.spec_decode.SpeculativeConfig` asks for."""
+def make_proposer(spec, runner, max_model_len: int, announce=None):
+    """The proposer a :class:`~hf_paged.spec_decode.SpeculativeConfig` asks for (``announce``: see
+    :class:`~hf_paged.spec_decode.draft_model.DraftModelProposer`)."""
     check_speculative(spec)
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -198,7 +205,7 @@ def make_proposer(spec, runner, max_model_len: int):
     if isinstance(draft, str) and spec.self_draft_layers is None:
         draft, _ = load_model(draft, dtype=next(runner.model.parameters()).dtype, device=runner.device)
     return DraftModelProposer(runner.model, runner.pool, runner.draft_logits, None if spec.self_draft_layers else draft,
-                              spec.self_draft_layers, max_model_len)
+                              spec.self_draft_layers, max_model_len, announce)
 
 
 def max_positions(model: torch.nn.Module) -> int | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hf_paged.executor.tensor_parallel import shard_model
+from hf_paged.executor.tensor_parallel import parallelize, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ class ModelSource:
     config: object = None
     generation_config: object = None
     tensors: dict[str, torch.Tensor] | None = None
+    # the in-memory model's quantized modules (a GGUF file kept, quantize_model): name -> how to rebuild it
+    quantized: dict[str, dict] | None = None
     device: str = "cpu"  # "cuda": rank r runs on GPU LOCAL_RANK (torchrun) or r (spawned), with NCCL
 
     @classmethod
@@ -47,10 +49,15 @@ class ModelSource:
             raise TypeError(f"model must be a transformers model or a folder path, got {type(model).__name__}")
         if next(model.parameters()).device.type != "cpu":
             raise ValueError("tensor parallelism from a model in memory needs it on the CPU; give a folder path instead")
+        from hf_paged import model_patches
+
+        if model_patches.current(model, "quantization") is not None:  # its layers are another engine's, for now
+            raise ValueError("tensor parallelism: another engine on this model quantized its linears (or set their "
+                             "activation mode) for as long as it runs; close it first, or give the float model")
         tensors = {name: t.detach() for name, t in model.named_parameters(remove_duplicate=False)}
         tensors.update({name: t for name, t in model.named_buffers(remove_duplicate=False)})
         return cls(model_class=type(model), config=model.config, generation_config=getattr(model, "generation_config", None),
-                   tensors=tensors)
+                   tensors=tensors, quantized=_quantized_specs(model))
 
     def skeleton(self) -> torch.nn.Module:
         """The model's modules with empty (meta) weights; buffers computed at build (rotary) are real."""
@@ -61,7 +68,11 @@ class ModelSource:
                 from transformers import AutoConfig, AutoModelForCausalLM
 
                 return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.path))
-            return self.model_class(copy.deepcopy(self.config))
+            model = self.model_class(copy.deepcopy(self.config))
+        for name, spec in (self.quantized or {}).items():  # the same quantized modules, empty
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, _empty_quantized(spec))
+        return model
 
     def rank_device(self, rank: int) -> torch.device:
         if self.device == "cpu":
@@ -71,14 +82,41 @@ class ModelSource:
     def load_shard(self, rank: int, world: int) -> torch.nn.Module:
         """Rank ``rank``'s shard of ``world``, in eval mode, on its device."""
         if self.path is not None:
-            model = _load_folder_shard(self.path, self.dtype, rank, world)
+            model, shard = _load_folder_shard(self.path, self.dtype, rank, world)
         else:
             model = self.skeleton()
             shard = shard_model(model, rank, world)
             _fill(model, shard.slices, self.tensors.get, self.model_class._tied_weights_keys, whole=True)
             if self.generation_config is not None:
                 model.generation_config = copy.deepcopy(self.generation_config)
-        return model.to(self.rank_device(rank)).eval()
+        return parallelize(model, shard).to(self.rank_device(rank)).eval()
+
+
+def _quantized_specs(model: torch.nn.Module) -> dict[str, dict]:
+    """How to rebuild each quantized module of ``model`` (empty): its class and shapes."""
+    from hf_paged.cpu.quant_linear import QuantEmbedding, QuantLinear
+
+    specs = {}
+    for name, m in model.named_modules():
+        if type(m) is QuantLinear:
+            specs[name] = dict(kind="linear", args=(m.in_features, m.out_features, m.fmt), rows=tuple(m.qweight.shape),
+                               scales=m.scales is not None, bias=m.bias is not None, activations=m.activations)
+        elif type(m) is QuantEmbedding:
+            specs[name] = dict(kind="embedding", args=(m.num_embeddings, m.embedding_dim, m.fmt),
+                               rows=tuple(m.qweight.shape), padding_idx=m.padding_idx, dtype=m.dtype)
+    return specs
+
+
+def _empty_quantized(spec: dict) -> torch.nn.Module:
+    from hf_paged.cpu.quant_linear import QuantEmbedding, QuantLinear
+
+    qweight = torch.empty(spec["rows"], dtype=torch.uint8, device="meta")
+    if spec["kind"] == "embedding":
+        return QuantEmbedding(*spec["args"], qweight, padding_idx=spec["padding_idx"], dtype=spec["dtype"])
+    out = spec["args"][1]
+    scales = torch.empty(out, device="meta") if spec["scales"] else None
+    bias = torch.empty(out, device="meta") if spec["bias"] else None
+    return QuantLinear(*spec["args"], qweight, scales, bias, spec["activations"])
 
 
 def _safetensors_files(folder: Path) -> dict[str, Path] | None:
@@ -95,7 +133,7 @@ def _safetensors_files(folder: Path) -> dict[str, Path] | None:
     return None
 
 
-def _load_folder_shard(path: str, dtype: str, rank: int, world: int) -> torch.nn.Module:
+def _load_folder_shard(path: str, dtype: str, rank: int, world: int) -> tuple[torch.nn.Module, object]:
     from hf_paged.default_model import load_model, load_model_generation_config, parse_dtype
 
     files = _safetensors_files(Path(path))
@@ -127,11 +165,10 @@ def _load_folder_shard(path: str, dtype: str, rank: int, world: int) -> torch.nn
             _fill(model, shard.slices, read, tied, parse_dtype(dtype))
             handles.clear()
             model.generation_config = load_model_generation_config(Path(path))
-            return model
+            return model, shard
         logger.info("%s: tensor names differ from the model's; loading it whole, then slicing", path)
     model = load_model(path, dtype=dtype)[0]
-    shard_model(model, rank, world)
-    return model
+    return model, shard_model(model, rank, world)
 
 
 def _fill(model: torch.nn.Module, slices: dict, read, tied: dict | None, dtype: torch.dtype | None = None,
@@ -163,11 +200,19 @@ def _fill(model: torch.nn.Module, slices: dict, read, tied: dict | None, dtype: 
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(data, requires_grad=False)
     if whole:
-        for name, _ in list(model.named_buffers()):
+        for name, buffer in list(model.named_buffers()):
             data = read(name)
-            if data is not None:
-                owner, _, leaf = name.rpartition(".")
-                model.get_submodule(owner)._buffers[leaf] = data
+            if data is None:
+                continue
+            part = slices.get(name)  # a quantized layer's bytes or scales: its slice, padded like a parameter
+            if part is not None:
+                dim, start, stop = part
+                start, stop = min(start, data.shape[dim]), min(stop, data.shape[dim])
+                data = data.narrow(dim, start, stop - start).clone()
+                if data.shape != buffer.shape:
+                    data = torch.cat([data, data.new_zeros(buffer.shape[0] - data.shape[0], *data.shape[1:])])
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = data
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"{type(model).__name__}: no tensor for {left[:3]} in the source")

@@ -9,8 +9,10 @@ sharding itself is ours, on plain tensors:
   ``N`` does not divide the KV heads (the default model's 3 KV heads over 2 ranks: 1 + 2); with ``N`` a multiple
   of the KV heads, each KV head is replicated on ``N/KV`` ranks (as vLLM does).
 - rowwise: rank ``r`` keeps its slice of the input columns; the partial outputs are summed over ranks by an
-  all-reduce (a forward hook); a bias is added by rank 0 only.
-- the LM head is split by vocabulary rows; rank 0 gathers the rows' logits (sampling happens once, there).
+  all-reduce that is part of the layer (:class:`~hf_paged.model.layers.linear.ParallelLinear`); a bias is added
+  by rank 0 only.
+- the LM head is split by vocabulary rows; rank 0 gathers the rows' logits (sampling happens once, there), again
+  in the layer.
 - everything else (embeddings, norms, rotary) is replicated.
 
 Each rank's attention modules see only their heads, so the KV pool a rank builds holds only its KV heads.
@@ -19,12 +21,13 @@ Each rank's attention modules see only their heads, so the KV pool a rank builds
 from __future__ import annotations
 
 import re
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+
+from hf_paged.cpu.quant_formats import BLOCK_BYTES, GROUP
+from hf_paged.cpu.quant_linear import QuantLinear
+from hf_paged.model.layers.linear import COMM, CommStats, ParallelLinear  # noqa: F401 - COMM re-exported
 
 # the default plan for models whose config carries none (relative to the base model)
 DEFAULT_PLAN = {
@@ -39,24 +42,6 @@ KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads")
 
 
 @dataclass
-class CommStats:
-    """This process's time and bytes in the forward's collectives (all-reduces and the LM head's gather),
-    including any wait for a slower rank: ``hf-paged bench chat --systems tp2`` reports it per step."""
-
-    seconds: float = 0.0
-    bytes: int = 0
-    calls: int = 0
-
-    def add(self, started: float, tensor: torch.Tensor) -> None:
-        self.seconds += time.perf_counter() - started
-        self.bytes += tensor.numel() * tensor.element_size()
-        self.calls += 1
-
-
-COMM = CommStats()
-
-
-@dataclass
 class Shard:
     """What one rank holds: its rank, the world, and each attention module's local head counts."""
 
@@ -68,6 +53,9 @@ class Shard:
     # parameter name -> (dim, start, stop) of the full tensor this rank keeps (the rest are whole); the LM
     # head's rows may end past the vocabulary: those are zeros
     slices: dict[str, tuple[int, int, int]]
+    # module name -> "sum" (row-parallel) or "gather" (the LM head): the linears :func:`parallelize` completes
+    reduce: dict[str, str] = field(default_factory=dict)
+    vocab: int = 0  # the full vocabulary (the LM head's rows before the split)
 
 
 def text_config(model: torch.nn.Module):
@@ -130,10 +118,10 @@ def check_shardable(model: torch.nn.Module, world: int) -> tuple[int, int]:
                 f"{', '.join(SUPPORTED_STYLES)} (and replicated) layers"
             )
         for name in matched[pattern]:
-            if style in SUPPORTED_STYLES and type(model.get_submodule(name)) is not torch.nn.Linear:
+            if style in SUPPORTED_STYLES and type(model.get_submodule(name)) not in (torch.nn.Linear, QuantLinear):
                 raise NotImplementedError(
                     f"{type(model).__name__}: {name} is a {type(model.get_submodule(name)).__name__}, "
-                    "hf_paged shards nn.Linear layers only"
+                    "hf_paged shards nn.Linear (and its quantized QuantLinear) layers only"
                 )
     if not any(matched[p] for p, s in plan.items() if s == "rowwise"):
         raise NotImplementedError(
@@ -148,51 +136,69 @@ def _slice_param(module: torch.nn.Module, name: str, dim: int, start: int, stop:
     if param is None:
         return
     part = param.detach().narrow(dim, start, stop - start).clone()
-    setattr(module, name, torch.nn.Parameter(part, requires_grad=False))
+    if name in module._buffers:  # a quantized layer's bytes and scales
+        module._buffers[name] = part
+    else:
+        setattr(module, name, torch.nn.Parameter(part, requires_grad=False))
     slices[f"{prefix}.{name}"] = (dim, start, stop)
 
 
-def _all_reduce_hook(module, args, output):
-    started = time.perf_counter()
-    dist.all_reduce(output)
-    COMM.add(started, output)
-    return output
+def _slice_linear(module: torch.nn.Module, name: str, style: str, start: int, stop: int, rank: int,
+                  slices: dict) -> None:
+    """Keep rank ``rank``'s part of one linear: output rows ``[start, stop)`` (colwise) or input columns (rowwise;
+    the bias on rank 0 only). A quantized linear keeps the same rows of its bytes, or the bytes of the blocks of
+    those columns (which must fall on its blocks of 32); its int8 row scales stay whole (the full row's)."""
+    quantized = type(module) is QuantLinear
+    if style == "colwise":
+        for leaf in ("qweight", "scales", "bias") if quantized else ("weight", "bias"):
+            _slice_param(module, leaf, 0, start, stop, slices, name)
+        module.out_features = stop - start
+        return
+    if quantized:
+        if start % GROUP or stop % GROUP:
+            raise NotImplementedError(
+                f"{name}: this rank's input columns [{start}, {stop}) do not fall on the {module.fmt} blocks of {GROUP}; "
+                "shard the float model (quantization= at start quantizes each rank's slice)")
+        per = BLOCK_BYTES[module.fmt]
+        _slice_param(module, "qweight", 1, start // GROUP * per, stop // GROUP * per, slices, name)
+    else:
+        _slice_param(module, "weight", 1, start, stop, slices, name)
+    if rank != 0 and module.bias is not None:
+        module.bias = None  # added once, by rank 0, before the sum
+    module.in_features = stop - start
 
 
-class VocabShardedHead(torch.nn.Module):
-    """The LM head's rows ``[start, stop)`` of ``vocab``; rank 0 gathers the full logits, other ranks return
-    their own slice (nobody reads it)."""
+def _rows(t: torch.Tensor | None, start: int, stop: int, rows: int) -> torch.Tensor | None:
+    """Rows ``[start, stop)`` of ``t`` padded with zero rows to ``rows`` (a copy); the same-shaped empty tensor
+    for a meta ``t`` (the shard is filled later)."""
+    if t is None:
+        return None
+    if t.is_meta:
+        return t.new_empty(rows, *t.shape[1:])
+    part = t.detach()[start:stop]
+    pad = rows - (stop - start)
+    return torch.cat([part, part.new_zeros(pad, *part.shape[1:])]) if pad else part.clone()
 
-    def __init__(self, head: torch.nn.Linear, rank: int, world: int) -> None:
-        super().__init__()
-        vocab = head.weight.shape[0]
-        self.out_features = vocab
-        self.in_features = head.weight.shape[1]
-        self.rows = -(-vocab // world)  # every rank computes this many rows (the last one padded with zeros)
-        self.start, self.stop = min(rank * self.rows, vocab), min((rank + 1) * self.rows, vocab)
-        self.rank, self.world = rank, world
-        weight = head.weight.detach()[self.start : self.stop]
-        pad = self.rows - weight.shape[0]
-        if pad:
-            weight = torch.cat([weight, weight.new_zeros(pad, weight.shape[1])])
-        self.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
-        bias = None
-        if head.bias is not None:
-            bias = head.bias.detach()[self.start : self.stop]
-            bias = torch.cat([bias, bias.new_zeros(pad)]) if pad else bias.clone()
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight, self.bias).contiguous()
-        started = time.perf_counter()
-        if self.rank == 0:
-            parts = [torch.empty_like(local) for _ in range(self.world)]
-            dist.gather(local, parts, dst=0)
-            COMM.add(started, local)
-            return torch.cat(parts, dim=-1)[..., : self.out_features]
-        dist.gather(local, None, dst=0)
-        COMM.add(started, local)
-        return local
+def _vocab_slice(head: torch.nn.Module, rank: int, world: int) -> tuple[torch.nn.Module, int, int]:
+    """The LM head's rows of ``rank`` as a plain ``nn.Linear`` (or a ``QuantLinear`` of the same format): every
+    rank gets ``ceil(vocab / world)`` rows, the last one padded with zeros (zero bytes: zero logits in every
+    format), and the rows' ``[start, stop)`` in the vocabulary. Empty (meta) where the head is."""
+    vocab = head.out_features
+    rows = -(-vocab // world)
+    start, stop = min(rank * rows, vocab), min((rank + 1) * rows, vocab)
+    bias = _rows(head.bias, start, stop, rows)
+    if type(head) is QuantLinear:
+        sliced = QuantLinear(head.in_features, rows, head.fmt, _rows(head.qweight, start, stop, rows),
+                             _rows(head.scales, start, stop, rows), activations=head.activations)
+        if bias is not None:  # (QuantLinear takes a bias as fp32; keep the meta one as it is)
+            sliced.bias = torch.nn.Parameter(bias, requires_grad=False)
+        return sliced, start, stop
+    sliced = torch.nn.Linear(head.in_features, rows, bias=bias is not None, device="meta")
+    sliced.weight = torch.nn.Parameter(_rows(head.weight, start, stop, rows), requires_grad=False)
+    if bias is not None:
+        sliced.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return sliced, start, stop
 
 
 def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
@@ -202,6 +208,7 @@ def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
     q0, q1, k0, k1 = head_split(heads, kv, world)[rank]
     plan = tp_plan(model)
     slices: dict[str, tuple[int, int, int]] = {}
+    reduce: dict[str, str] = {}
     head_dim = None
     attention_modules = set()
     for name, module in list(model.named_modules()):
@@ -224,16 +231,9 @@ def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
         else:
             size = module.out_features if style == "colwise" else module.in_features
             start, stop = rank * size // world, (rank + 1) * size // world
-        if style == "colwise":
-            _slice_param(module, "weight", 0, start, stop, slices, name)
-            _slice_param(module, "bias", 0, start, stop, slices, name)
-            module.out_features = stop - start
-        else:
-            _slice_param(module, "weight", 1, start, stop, slices, name)
-            if rank != 0 and module.bias is not None:
-                module.bias = None  # added once, by rank 0, before the sum
-            module.in_features = stop - start
-            module.register_forward_hook(_all_reduce_hook)
+        _slice_linear(module, name, style, start, stop, rank, slices)
+        if style == "rowwise":
+            reduce[name] = "sum"
     for module in attention_modules:
         for attr in HEAD_ATTRS:
             if isinstance(getattr(module, attr, None), int):
@@ -248,15 +248,34 @@ def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
             if weight is not None and head_dim is not None and weight.shape[-1] != head_dim:
                 raise NotImplementedError(f"{type(module).__name__}.{norm} normalizes across heads; it cannot be split")
     head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear:
+    if type(head) not in (torch.nn.Linear, QuantLinear):
         raise NotImplementedError(f"{type(model).__name__}: its LM head is a {type(head).__name__}, not an nn.Linear")
-    sharded = VocabShardedHead(head, rank, world)
     head_name = next(n for n, m in model.named_modules() if m is head)
-    model.set_output_embeddings(sharded)
-    for leaf in ("weight", "bias"):
-        if getattr(sharded, leaf) is not None:
-            slices[f"{head_name}.{leaf}"] = (0, sharded.start, sharded.start + sharded.rows)
+    vocab = head.out_features
+    sliced, start, stop = _vocab_slice(head, rank, world)
+    model.set_output_embeddings(sliced)
+    for leaf in ("qweight", "scales", "weight", "bias"):
+        if getattr(sliced, leaf, None) is not None:
+            slices[f"{head_name}.{leaf}"] = (0, start, start + sliced.out_features)
+    reduce[head_name] = "gather"
     model.config.tie_word_embeddings = False  # never re-tie the slice to the full embedding
     if hasattr(model.config, "get_text_config"):
         model.config.get_text_config().tie_word_embeddings = False
-    return Shard(rank, world, q1 - q0, k1 - k0, (sharded.start, sharded.stop), slices)
+    return Shard(rank, world, q1 - q0, k1 - k0, (start, stop), slices, reduce, vocab)
+
+
+def parallelize(model: torch.nn.Module, shard: Shard) -> torch.nn.Module:
+    """Complete a filled shard (its weights read): every row-parallel linear and the LM head become a
+    :class:`~hf_paged.model.layers.linear.ParallelLinear` running its collective after its slice. Returns ``model``."""
+    head = model.get_output_embeddings()
+    for name, how in shard.reduce.items():
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        base = getattr(parent, leaf)
+        full = shard.vocab if how == "gather" else None
+        layer = ParallelLinear(base, how, shard.rank, shard.world, full)
+        if base is head:
+            model.set_output_embeddings(layer)
+        else:
+            setattr(parent, leaf, layer)
+    return model

@@ -79,11 +79,15 @@ class DraftModelProposer:
         draft: A causal LM with the target's vocabulary; None with ``self_layers``.
         self_layers: Draft with the target's first this-many layers instead.
         max_model_len: The engine's longest sequence; a draft model must handle it.
+        announce: Called with ``(batch, tables)`` before each draft forward (a tensor-parallel engine's rank 0
+            sends it to the other ranks, whose shards of the ``self_layers`` run the same forward with it).
     """
 
     def __init__(self, target: torch.nn.Module, target_pool: KVPool, forward: DraftForward,
-                 draft: torch.nn.Module | None, self_layers: int | None, max_model_len: int) -> None:
+                 draft: torch.nn.Module | None, self_layers: int | None, max_model_len: int,
+                 announce=None) -> None:
         self.forward = forward
+        self.announce = announce
         self.block_size = target_pool.block_size
         self.shares_target_kv = self_layers is not None
         if self.shares_target_kv:
@@ -153,6 +157,8 @@ class DraftModelProposer:
         return [drafts.get(state.seq_id, []) for state in states]
 
     def _greedy(self, batch: list[ScheduledSequence], tables: dict[int, list[int]]) -> list[int]:
+        if self.announce is not None:
+            self.announce(batch, tables)
         return self.forward(batch, self.kv_caches, tables, self.model).argmax(dim=-1).tolist()
 
 
