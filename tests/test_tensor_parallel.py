@@ -5,6 +5,7 @@ Every engine here spawns one worker process (a few seconds each): the cases shar
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -505,7 +506,7 @@ def test_sharded_quantized_model_equals_one_process():
 
     prompts = make_prompts(4, [3, 20, 49, 70], seed=5)
     for arch, quantization in (("llama", "int4"), ("qwen2", "int8")):
-        model = quantize_model(make_model(arch), quantization)
+        model = quantize_model(copy.deepcopy(make_model(arch)), quantization)  # a copy: make_model's is shared
         one = PagedGenerator(model, num_blocks=80, max_num_batched_tokens=32)
         want = _tokens(one.generate(prompts, GREEDY, use_tqdm=False))
         one.close()
