@@ -9,6 +9,7 @@ import os
 import torch
 
 from hf_paged import attention, model_patches
+from hf_paged.attention_layer import AttentionLayers
 from hf_paged.config import EngineConfig
 from hf_paged.cpu import attention as cpu_attention, fused_ops, packed_linear
 from hf_paged.cpu.fused_layers import FAMILIES, FusedLayers
@@ -152,21 +153,23 @@ def maybe_fuse(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, 
     return fused
 
 
-def make_fast_runner(model, cfg: EngineConfig, pool: KVPool, backend: str, max_model_len: int, packed, fused,
-                     block_tables: BlockTables):
+def make_fast_runner(model, cfg: EngineConfig, pool: KVPool, layers: AttentionLayers, max_model_len: int, packed,
+                     fused, block_tables: BlockTables):
     """The one fast step runner for this configuration and device, or None (every step eager): decode buckets
-    (CUDA graphs, inductor, static) or, on CPU, the native decode program where the model fits it. ValueError
-    naming the reason where ``decode_runner="native"`` was asked for explicitly and cannot be had."""
-    mode = resolve_mode(cfg.decode_runner, cfg.enforce_eager, pool.device)
+    (CUDA graphs, inductor, static; their attention runs the engine's backend) or, on CPU, the native decode
+    program where the model fits it. ValueError naming the reason where ``decode_runner="native"`` (or
+    ``"cuda_graphs"``) was asked for explicitly and cannot be had."""
+    backend = layers.backend.name
+    mode = resolve_mode(cfg.decode_runner, cfg.enforce_eager, pool.device, backend)
     if mode is None:
         return None
     if mode != "native":
         spec = cfg.speculative_config
         max_q = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-        return DecodeBuckets(model, pool.kv_caches, pool.block_size, mode, cfg.decode_buckets, max_q, max_model_len,
+        return DecodeBuckets(model, layers, pool.block_size, mode, cfg.decode_buckets, max_q, max_model_len,
                              block_tables)
     why = why_not(model, fused, packed)
-    if not why and (backend != "cpu" or not pool.supports_native() or not cpu_attention.available(pool.cache_dtype)):
+    if not why and not layers.backend.native_max_q:  # the backend's choice, made once: "cpu" on a pool it reads
         why = f"it needs the native CPU attention (backend {backend!r}, {cpu_attention.unavailable_reason(pool.cache_dtype) or 'pool layout'})"
     program = None
     if not why:

@@ -91,6 +91,7 @@ class DraftModelProposer:
             self.model = draft
             self.kv_caches = self.pool.kv_caches
             logger.info("draft model %s: KV pool of %.1f MiB", type(draft).__name__, self.pool.total_bytes / 2**20)
+        self.attention = runner.attention_layers(self.pool)  # its attention layer objects, with the engine's backend
         self.computed: dict[int, int] = {}  # tokens of each sequence whose draft KV is valid
         # forward cost of one drafted token over the target's: the matmul weights each one runs through
         self.relative_cost = matmul_params(self.model) / max(1, matmul_params(target))
@@ -142,7 +143,7 @@ class DraftModelProposer:
         return [drafts.get(state.seq_id, []) for state in states]
 
     def _greedy(self, batch: list[ScheduledSequence], tables: dict[int, list[int]]) -> list[int]:
-        inputs = self.runner.prepare_batch(batch, self.kv_caches, tables)
+        inputs = self.runner.prepare_batch(batch, self.attention, tables)
         return self.runner.compute_logits(inputs, self.model).argmax(dim=-1).tolist()
 
 
