@@ -12,14 +12,17 @@ import contextlib
 import contextvars
 import sys
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
 
 import torch
 
+from hf_paged.attention_layer import AttentionFacts
+
 if TYPE_CHECKING:
     from hf_paged.attention_backends import StepAttention
+    from hf_paged.attention_layer import AttentionLayers
 
 ATTN_IMPLEMENTATION = "hf_paged"
 METADATA_KWARG = "paged_metadata"
@@ -38,8 +41,10 @@ class AttentionMetadata:
     """Everything a layer needs to store and attend for one step; built once per step, shared by layers.
 
     Shapes: ``slot_mapping [num_tokens]``, ``block_tables [num_seqs, max_blocks]`` (int32),
-    ``seq_lens [num_seqs]``, ``cu_seqlens_q [num_seqs + 1]``. ``impl`` is the backend's per-step work
-    (:mod:`hf_paged.attention_backends`): which kernels run is decided there, once, not by flags here.
+    ``seq_lens [num_seqs]``, ``cu_seqlens_q [num_seqs + 1]``. ``layers`` are the engine's attention layer
+    objects (:mod:`hf_paged.attention_layer`: each layer's pool tensors and settings, built at engine start);
+    ``impl`` is the backend's per-step work (:mod:`hf_paged.attention_backends`): which kernels run is
+    decided there, once, not by flags here.
     """
 
     slot_mapping: torch.Tensor
@@ -48,7 +53,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
-    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    layers: AttentionLayers  # the engine's Attention object of each layer, by layer_idx
     impl: StepAttention  # this step's store + attention, planned once by the engine's attention backend
 
 
@@ -57,12 +62,15 @@ class KVLayoutProbe:
     """Passed instead of metadata in one tiny forward to learn each layer's K/V shape and dtype.
 
     ``layers[i] = (num_kv_heads, head_dim, dtype)``, where head_dim is the larger of the key and value
-    head sizes (they differ in multi-head latent attention: DeepSeek V2/V3, MiniCPM3). It also notes what
-    the paged kernels cannot serve: attention sinks, and layers that call the attention function more than
-    once per forward (each call would overwrite the layer's one KV pool).
+    head sizes (they differ in multi-head latent attention: DeepSeek V2/V3, MiniCPM3), and ``facts[i]`` what
+    the layer passes to the attention function (its scaling, window, softcap, head counts), which the
+    engine's :class:`~hf_paged.attention_layer.Attention` objects then hold. It also notes what the paged
+    kernels cannot serve: attention sinks, and layers that call the attention function more than once per
+    forward (each call would overwrite the layer's one KV pool).
     """
 
     layers: dict[int, tuple[int, int, torch.dtype]] = field(default_factory=dict)
+    facts: dict[int, AttentionFacts] = field(default_factory=dict)
     unindexed: int = 0
     calls: dict[int, int] = field(default_factory=dict)
     modules: dict[int, str] = field(default_factory=dict)  # layer_idx -> attention module class name
@@ -110,21 +118,17 @@ def paged_attention_forward(
     meta = kwargs.get(METADATA_KWARG)
     if not isinstance(meta, AttentionMetadata):
         if isinstance(meta, KVLayoutProbe):
-            _record_layout(meta, module, key, value, kwargs)
+            _record_layout(meta, module, query, key, value, kwargs)
         kwargs.pop(METADATA_KWARG, None)
         return _fallback_attention(module)(module, query, key, value, attention_mask, **kwargs)
 
     if query.shape[0] != 1:
         raise ValueError(f"the paged engine packs a step into batch 1, got query batch {query.shape[0]}")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(f"{type(module).__name__} uses attention sinks, which hf_paged does not support yet")
-    layer_idx = getattr(module, "layer_idx", None)
-    if layer_idx is None:
-        raise NotImplementedError(f"{type(module).__name__} has no layer_idx; hf_paged needs it to find its KV pool")
-    scaling = kwargs.get("scaling")
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = attend(meta, layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scale,
-                 kwargs.get("sliding_window"), kwargs.get("softcap"))
+    # The layer's object holds its pool, settings and backend (built at engine start: the probe forward has
+    # refused modules without layer_idx or with attention sinks, so nothing about the module is checked here).
+    out = meta.layers[module.layer_idx](
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), meta
+    )
     return out.unsqueeze(0), None
 
 
@@ -138,20 +142,14 @@ def attend(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:  # [T, H, Dv]
-    """Store one layer's new keys and values in its pool and attend over each sequence's cache."""
-    k_cache, v_cache = meta.kv_caches[layer_idx]
-    value_dim = v.shape[-1]
-    if k.shape[-1] != value_dim:
-        # Multi-head latent attention: the pool holds K and V at the larger size. Zero columns in q and k
-        # leave every score unchanged; zero columns in v only add output columns, cut off below.
-        size = k_cache.shape[-1] - (4 if k_cache.dtype == torch.int8 else 0)  # an int8 row ends with its scale
-        q, k, v = (torch.nn.functional.pad(x, (0, size - x.shape[-1])) for x in (q, k, v))
-    out = meta.impl(meta, layer_idx, q, k, v, k_cache, v_cache, scale, sliding_window, softcap)
-    return out[..., :value_dim] if out.shape[-1] != value_dim else out
+    """Store one layer's new keys and values in its pool and attend over each sequence's cache, with the
+    settings given (callers that compute attention themselves, like the fused CPU layers)."""
+    return meta.layers[layer_idx].attend(q, k, v, meta, scale, sliding_window, softcap)
 
 
 def _record_layout(
-    probe: KVLayoutProbe, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, kwargs: dict
+    probe: KVLayoutProbe, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    kwargs: dict,
 ) -> None:
     if kwargs.get("s_aux") is not None:
         probe.sinks.add(type(module).__name__)
@@ -161,6 +159,12 @@ def _record_layout(
         return
     assert key.shape[1] == value.shape[1], f"{type(module).__name__}: K and V head counts differ"
     probe.layers[layer_idx] = (key.shape[1], max(key.shape[-1], value.shape[-1]), key.dtype)
+    scaling = kwargs.get("scaling")
+    probe.facts[layer_idx] = AttentionFacts(
+        num_heads=query.shape[1], num_kv_heads=key.shape[1], head_dim=key.shape[-1], value_dim=value.shape[-1],
+        scale=query.shape[-1] ** -0.5 if scaling is None else float(scaling),
+        sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
+    )
     probe.calls[layer_idx] = probe.calls.get(layer_idx, 0) + 1
     probe.modules[layer_idx] = type(module).__name__
 

@@ -7,11 +7,12 @@ import ctypes
 import logging
 import mmap
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hf_paged.attention import METADATA_KWARG, KVLayoutProbe
+from hf_paged.attention_layer import AttentionFacts
 from hf_paged.kernels.kv_quant import check_kv_cache_dtype, row_size
 from hf_paged.model_config import text_config
 
@@ -21,12 +22,15 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LayerKVSpec:
     """One layer's K/V: heads, head size, the model's dtype, and how the pool stores them ("auto": in ``dtype``;
-    "int8": rows of int8 values and an fp32 scale, :mod:`hf_paged.kernels.kv_quant`)."""
+    "int8": rows of int8 values and an fp32 scale, :mod:`hf_paged.kernels.kv_quant`). ``attention``: what the
+    layer passes to the attention function, for the engine's attention layer objects (None in a spec made by
+    hand, which serves no step)."""
 
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     kv_cache_dtype: str = "auto"
+    attention: AttentionFacts | None = field(default=None, compare=False)
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -43,7 +47,8 @@ class LayerKVSpec:
 
 
 def probe_kv_layout(model: torch.nn.Module, kv_cache_dtype: str = "auto") -> list[LayerKVSpec]:
-    """Run one token through the model to learn every attention layer's K/V shape and dtype.
+    """Run one token through the model to learn every attention layer's K/V shape and dtype (and its
+    attention settings: :class:`~hf_paged.attention_layer.AttentionFacts`).
 
     Works for any architecture that routes attention through the interface, whatever its config calls
     heads and head sizes. ``kv_cache_dtype`` ("auto" or "int8") is how the pool will store them.
@@ -54,7 +59,7 @@ def probe_kv_layout(model: torch.nn.Module, kv_cache_dtype: str = "auto") -> lis
     with torch.inference_mode():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, **{METADATA_KWARG: probe})
     _check_probe(model, probe)
-    specs = [LayerKVSpec(*probe.layers[i], kv_cache_dtype) for i in range(max(probe.layers) + 1)]
+    specs = [LayerKVSpec(*probe.layers[i], kv_cache_dtype, probe.facts[i]) for i in range(max(probe.layers) + 1)]
     if kv_cache_dtype == "int8":
         for s in specs:
             row_size(s.head_dim)  # NotImplementedError for a head_dim the int8 rows cannot hold

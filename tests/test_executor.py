@@ -41,7 +41,7 @@ def test_block_tables_follow_diffs_and_gather_rows_in_order():
 
 def test_attention_metadata_carries_tensors_and_one_backend_object_only():
     assert {f.name for f in dataclasses.fields(AttentionMetadata)} == {
-        "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "max_seqlen_q", "max_seqlen_k", "kv_caches", "impl",
+        "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "max_seqlen_q", "max_seqlen_k", "layers", "impl",
     }
 
 

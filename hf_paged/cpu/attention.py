@@ -13,6 +13,7 @@ probe fails, :func:`available` is False and callers keep the pure-torch path.
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -207,6 +208,15 @@ def store_kv_native(
     return True
 
 
+class NativeStepArgs(NamedTuple):
+    """A native step's per-step kernel arguments, as the native decode program passes them to its recorded
+    calls: addresses (valid while the step's :class:`NativeStep` lives) and sizes."""
+
+    slot_mapping: int  # address of the int64 slots [num_tokens]
+    step: tuple  # (block tables, their row stride, seq_lens, cu_seqlens_q, seq ids, how many): hfp_paged_attention's
+    max_q: int  # the longest query of the step
+
+
 class NativeStep:
     """The store and attention calls of a step whose every sequence goes through the native kernel (decodes,
     speculative verification; no prefill chunk). The step's arguments are converted once, here; each layer
@@ -232,6 +242,10 @@ class NativeStep:
         if lib is None or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.device.type != "cpu":
             return None
         return cls(lib, plan, slot_mapping, kv_caches)
+
+    def kernel_args(self) -> NativeStepArgs:
+        """This step's arguments for the native store and attention kernels (the native decode program's)."""
+        return NativeStepArgs(self.slot_mapping.data_ptr(), self.step_args, self.max_q)
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -103,11 +103,11 @@ class DecodeProgram:
         None where this step is not one the program runs (the eager forward serves it)."""
         inputs = step.inputs
         meta = inputs.metadata
-        native = getattr(meta.impl, "native", None)  # the step's NativeStep: every sequence native
+        native = meta.impl.native_step()  # the step's native store + attention: every sequence native
         rows = inputs.input_ids.shape[1]
         index = inputs.logits_indices
         sampled = index.numel()  # the sampled rows are increasing and distinct: as many as rows is every row
-        if native is None or meta.kv_caches is not self.kv_caches or rows > self.max_rows or rows == 0:
+        if native is None or meta.layers.kv_caches is not self.kv_caches or rows > self.max_rows or rows == 0:
             return None
         if rows > self.capacity or sampled > self.logits_capacity or not self._valid():
             if self._retry_in:  # the last recording failed: eager steps until the next try
@@ -133,10 +133,11 @@ class DecodeProgram:
         self._index = None if sampled == rows else index
         self._tokens.value = rows
         self._cos.value, self._sin.value = cos.data_ptr(), sin.data_ptr()
-        self._slots.value = native.slot_mapping.data_ptr()
+        step_args = native.kernel_args()
+        self._slots.value = step_args.slot_mapping
         (self._tables.value, self._table_stride.value, self._lens.value, self._cu.value, self._ids.value,
-         self._num_ids.value) = native.step_args
-        self._max_q.value = native.max_q
+         self._num_ids.value) = step_args.step
+        self._max_q.value = step_args.max_q
         gate_up = self._gate_up[:rows]
         self._act[:] = (gate_up[:, : self.intermediate], gate_up[:, self.intermediate :])
         for i, (fn, args) in enumerate(self._ops):

@@ -12,7 +12,10 @@ buffers allocated once, so every replay of a bucket sees the same tensors; the p
 
 Steps the buckets do not cover (prefill chunks, mixed steps, more sequences than the largest bucket, uneven
 query lengths) run on the dynamic eager path. The attention op of a static step is
-``torch.ops.hf_paged.static_paged_attention`` (:mod:`hf_paged.kernels.graph_ops`).
+``torch.ops.hf_paged.static_paged_attention`` (:mod:`hf_paged.kernels.graph_ops`), running the engine's
+attention backend's kernels: Triton, torch, or torch with the native CPU kernel. A CUDA graph captures only the
+Triton ones (the torch path reads the step's row count on the host), so ``"cuda_graphs"`` needs the "triton"
+backend.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hf_paged.attention import METADATA_KWARG, AttentionMetadata, engine_forward
-from hf_paged.attention_backends import StaticStepAttention
+from hf_paged.attention_layer import AttentionLayers
 from hf_paged.core.scheduler_output import ScheduledSequence
 from hf_paged.executor.input_batch import BlockTables, pack_step
 from hf_paged.config import DECODE_MODES as MODES, check_buckets, default_buckets  # noqa: F401 - re-exported
@@ -39,7 +42,7 @@ logger = logging.getLogger(__name__)
 _NO_MASK = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
 
 
-def resolve_mode(mode: str, enforce_eager: bool, device: torch.device) -> str | None:
+def resolve_mode(mode: str, enforce_eager: bool, device: torch.device, backend: str | None = None) -> str | None:
     """The decode mode to use, or None for the dynamic eager path only.
 
     "auto" is CUDA graphs on CUDA and the native decode program (:mod:`hf_paged.cpu.native_program`: the
@@ -47,13 +50,28 @@ def resolve_mode(mode: str, enforce_eager: bool, device: torch.device) -> str | 
     falls back to the dynamic eager path where it does not. The padded static forward and inductor measured
     no faster than the dynamic path with packed linears on an AVX2 host (docs/performance_log.md), inductor at
     about a minute of compilation per bucket: ask for them explicitly.
+
+    ``backend`` is the engine's resolved attention backend: CUDA graphs capture the Triton kernels only, so
+    with another one "auto" decodes eagerly on CUDA and an explicit "cuda_graphs" is refused.
     """
     if enforce_eager:
         return None
     if mode == "auto":
-        return "cuda_graphs" if device.type == "cuda" else ("native" if device.type == "cpu" else None)
+        if device.type == "cuda":
+            if backend not in (None, "triton"):
+                logger.info("decode buckets: no CUDA graphs with attention_backend=%r (they capture the Triton "
+                            "kernels); decoding eagerly", backend)
+                return None
+            return "cuda_graphs"
+        return "native" if device.type == "cpu" else None
     if mode == "cuda_graphs" and device.type != "cuda":
         raise ValueError(f"decode_runner='cuda_graphs' needs a CUDA model, this one is on {device}")
+    if mode == "cuda_graphs" and backend not in (None, "triton"):
+        raise ValueError(
+            f"decode_runner='cuda_graphs' captures the Triton attention kernels, but the engine's attention backend "
+            f"is {backend!r}; use attention_backend='triton' (or 'auto' with triton installed), or "
+            "decode_runner='static' / 'inductor'"
+        )
     if mode == "native" and device.type != "cpu":
         raise ValueError(f"decode_runner='native' runs CPU kernels, this model is on {device}")
     return mode
@@ -64,7 +82,7 @@ class DecodeBuckets:
 
     Args:
         model: The HF model (attention "hf_paged").
-        kv_caches: The pool's per-layer ``(k_cache, v_cache)``.
+        attention: The engine's attention layer objects (its pool and backend).
         block_size: Tokens per block.
         mode: "static", "cuda_graphs" or "inductor".
         buckets: Sequence counts to pad to (increasing).
@@ -74,7 +92,7 @@ class DecodeBuckets:
     """
 
     def __init__(
-        self, model: torch.nn.Module, kv_caches, block_size: int, mode: str, buckets: Sequence[int],
+        self, model: torch.nn.Module, attention: AttentionLayers, block_size: int, mode: str, buckets: Sequence[int],
         max_query_len: int, max_model_len: int, block_tables: BlockTables, agree=None,
     ) -> None:
         # agree: tensor parallelism: the smallest of every rank's value (1: this rank built a bucket, 0: it could
@@ -82,15 +100,15 @@ class DecodeBuckets:
         # different sizes
         self.agree = agree
         self.model = model
-        self.kv_caches = kv_caches
+        self.layers = attention
         self.block_size = block_size
         self.mode = mode
         self.buckets = tuple(buckets)
         self.max_query_len = max_query_len
         self.max_model_len = max_model_len
         self.tables = block_tables
-        self.attention = StaticStepAttention()
-        device = kv_caches[0][0].device
+        self.attention = attention.backend.static()  # the engine's backend, as one graph-safe op a layer
+        device = attention.kv_caches[0][0].device
         self.device = device
         max_seqs = self.buckets[-1]
         max_tokens = max_seqs * max_query_len
@@ -262,7 +280,7 @@ def _dynamic_forward(runner: DecodeBuckets):
         q = input_ids.shape[1] // block_tables.shape[0]
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
-            max_seqlen_q=q, max_seqlen_k=runner.max_model_len, kv_caches=runner.kv_caches, impl=runner.attention,
+            max_seqlen_q=q, max_seqlen_k=runner.max_model_len, layers=runner.layers, impl=runner.attention,
         )
         with engine_forward():
             out = runner.model(input_ids=input_ids, position_ids=positions, attention_mask=runner.no_mask,

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_paged import model_patches
-from hf_paged.attention_backends import AttentionBackend
+from hf_paged.attention_backends import make_backend
+from hf_paged.attention_layer import AttentionLayers
 from hf_paged.config import EngineConfig
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from hf_paged.cpu import attention as cpu_attention
@@ -156,9 +157,10 @@ class UniProcExecutor(Executor):
             self.packed = maybe_prepack(model, cfg, self.device)
             self.fused = maybe_fuse(model, cfg, self.device, self.pool.specs[0].dtype)
             native_max_q = cpu_attention.MAX_Q if self.backend == "cpu" and self.pool.supports_native() else 0
-            attention = AttentionBackend(self.backend, cfg.block_size, native_max_q)
+            # the backend object, once, and one attention layer object per decoder layer over this engine's pool
+            attention = AttentionLayers.for_pool(self.pool, make_backend(self.backend, cfg.block_size, native_max_q))
             tables = BlockTables()
-            fast = make_fast_runner(model, cfg, self.pool, self.backend, self.max_model_len, self.packed, self.fused,
+            fast = make_fast_runner(model, cfg, self.pool, attention, self.max_model_len, self.packed, self.fused,
                                     tables, agree)
             self.runner = ModelRunner(model, self.pool, attention, Sampler(self.device, cfg.seed), self.max_model_len,
                                       fast, tables)

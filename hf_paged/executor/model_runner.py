@@ -15,7 +15,7 @@ import logging
 import torch
 
 from hf_paged.attention import AttentionMetadata
-from hf_paged.attention_backends import AttentionBackend
+from hf_paged.attention_layer import AttentionLayers
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SampledLogprobs, ScheduledSequence, SchedulerOutput
 from hf_paged.executor.input_batch import BlockTables, pack_step, table_tensor
 from hf_paged.executor.step_runners import EagerStepRunner, Step, StepInputs, StepRunner
@@ -35,7 +35,7 @@ class ModelRunner:
     Args:
         model: The HF model.
         pool: The KV pool.
-        attention: The attention backend (chosen once for the engine).
+        attention: The engine's attention layer objects over ``pool`` (each holds the backend chosen once).
         sampler: Samples the next tokens.
         max_model_len: Longest sequence.
         fast: The fast step runner chosen at start (decode buckets or the CPU native program), or None.
@@ -43,12 +43,13 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: torch.nn.Module, pool: KVPool, attention: AttentionBackend, sampler: Sampler, max_model_len: int,
+        self, model: torch.nn.Module, pool: KVPool, attention: AttentionLayers, sampler: Sampler, max_model_len: int,
         fast: StepRunner | None = None, block_tables: BlockTables | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
         self.attention = attention
+        self._other_layers: list[AttentionLayers] = []  # draft models' layers over their own pools
         self.sampler = sampler
         self.max_model_len = max_model_len
         self.speculator = Speculator()
@@ -64,6 +65,9 @@ class ModelRunner:
         """Drop the speculative proposers, the fast step runner (its buffers, graphs, packs) and all state."""
         self.speculator.close()
         self.fast = None
+        for layers in (self.attention, *self._other_layers):
+            layers.clear()  # the layer objects hold the pool tensors: let them go with the pool
+        self._other_layers.clear()
         self.states.clear()
         self.structured = StructuredMatchers()
         self.block_tables = BlockTables()
@@ -84,13 +88,22 @@ class ModelRunner:
         for item in out.scheduled:
             self.block_tables.apply(item)
 
+    def attention_layers(self, pool: KVPool | None) -> AttentionLayers:
+        """The attention layer objects over ``pool`` (a draft model's), with the engine's backend; the target's
+        own for None (a ``self:N`` draft runs the target's first layers over the target's pool)."""
+        if pool is None or pool is self.pool:
+            return self.attention
+        layers = AttentionLayers.for_pool(pool, self.attention.backend)
+        self._other_layers.append(layers)
+        return layers
+
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
         """Pack this step's sequences over the engine's pool, their tables from the runner's persistent copy."""
-        return self.prepare_batch(scheduled, self.pool.kv_caches)
+        return self.prepare_batch(scheduled, self.attention)
 
-    def prepare_batch(self, scheduled: list[ScheduledSequence], kv_caches, tables=None) -> StepInputs:
-        """Pack sequences into one ragged batch over the pool ``kv_caches`` (the target's, or a draft's);
-        ``tables`` (seq id -> block ids) default to the runner's persistent tables."""
+    def prepare_batch(self, scheduled: list[ScheduledSequence], layers: AttentionLayers, tables=None) -> StepInputs:
+        """Pack sequences into one ragged batch for the attention ``layers`` (the target's, or a draft model's
+        over its own pool); ``tables`` (seq id -> block ids) default to the runner's persistent tables."""
         persistent = tables is None
         tables = self.block_tables.lists if persistent else tables
         ids, positions, slots, seq_lens, cu, sample_rows = pack_step(scheduled, tables, self.block_size)
@@ -106,7 +119,8 @@ class ModelRunner:
         cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
         q_lens = [cu[i + 1] - cu[i] for i in range(len(scheduled))]
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-        impl = self.attention.plan(block_tables, seq_lens, q_lens, len(ids), seq_lens_t, cu_t, slot_mapping, kv_caches)
+        impl = layers.backend.plan(block_tables, seq_lens, q_lens, len(ids), seq_lens_t, cu_t, slot_mapping,
+                                   layers.kv_caches)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
@@ -114,7 +128,7 @@ class ModelRunner:
             cu_seqlens_q=cu_t,
             max_seqlen_q=max(q_lens),
             max_seqlen_k=max(seq_lens),
-            kv_caches=kv_caches,
+            layers=layers,
             impl=impl,
         )
         return StepInputs(
@@ -134,11 +148,12 @@ class ModelRunner:
         logits = runner.run(step)
         return self.eager.run(step) if logits is None else logits
 
-    def draft_logits(self, batch: list[ScheduledSequence], kv_caches, tables: dict[int, list[int]],
+    def draft_logits(self, batch: list[ScheduledSequence], attention: AttentionLayers, tables: dict[int, list[int]],
                      model: torch.nn.Module) -> torch.Tensor:
         """A draft step for a proposer (:data:`~hf_paged.spec_decode.draft_model.DraftForward`): ``batch`` packed
-        over ``kv_caches`` with ``tables``, logits ``[N, V]`` at its sampled rows from ``model``'s eager forward."""
-        return self.compute_logits(self.prepare_batch(batch, kv_caches, tables), model)
+        over ``attention``'s pool with ``tables``, logits ``[N, V]`` at its sampled rows from ``model``'s eager
+        forward."""
+        return self.compute_logits(self.prepare_batch(batch, attention, tables), model)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

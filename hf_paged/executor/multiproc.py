@@ -78,7 +78,7 @@ def _draft_forward(executor: UniProcExecutor, views: dict, msg: DraftStep) -> No
     view = views.get(msg.layers)
     if view is None:
         view = views[msg.layers] = truncated_view(executor.model, msg.layers)
-    executor.runner.draft_logits(msg.batch, executor.describe().pool.kv_caches, msg.tables, view)
+    executor.runner.draft_logits(msg.batch, executor.runner.attention, msg.tables, view)
 
 
 def _agree_min(value: int) -> int:

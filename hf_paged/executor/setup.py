@@ -9,6 +9,7 @@ import os
 import torch
 
 from hf_paged import attention, model_patches
+from hf_paged.attention_layer import AttentionLayers
 from hf_paged.config import EngineConfig
 from hf_paged.cpu import attention as cpu_attention, fused_ops, packed_linear
 from hf_paged.cpu.fused_layers import FAMILIES, FusedLayers
@@ -159,21 +160,23 @@ def maybe_fuse(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, 
     return fused
 
 
-def make_fast_runner(model, cfg: EngineConfig, pool: KVPool, backend: str, max_model_len: int, packed, fused,
-                     block_tables: BlockTables, agree=None):
+def make_fast_runner(model, cfg: EngineConfig, pool: KVPool, layers: AttentionLayers, max_model_len: int, packed,
+                     fused, block_tables: BlockTables, agree=None):
     """The one fast step runner for this configuration and device, or None (every step eager): decode buckets
-    (CUDA graphs, inductor, static) or, on CPU, the native decode program where the model fits it. ValueError
-    naming the reason where ``decode_runner="native"`` was asked for explicitly and cannot be had."""
-    mode = resolve_mode(cfg.decode_runner, cfg.enforce_eager, pool.device)
+    (CUDA graphs, inductor, static; their attention runs the engine's backend) or, on CPU, the native decode
+    program where the model fits it. ValueError naming the reason where ``decode_runner="native"`` (or
+    ``"cuda_graphs"``) was asked for explicitly and cannot be had."""
+    backend = layers.backend.name
+    mode = resolve_mode(cfg.decode_runner, cfg.enforce_eager, pool.device, backend)
     if mode is None:
         return None
     if mode != "native":
         spec = cfg.speculative_config
         max_q = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-        return DecodeBuckets(model, pool.kv_caches, pool.block_size, mode, cfg.decode_buckets, max_q, max_model_len,
+        return DecodeBuckets(model, layers, pool.block_size, mode, cfg.decode_buckets, max_q, max_model_len,
                              block_tables, agree)
     why = why_not(model, fused, packed)
-    if not why and (backend != "cpu" or not pool.supports_native() or not cpu_attention.available(pool.cache_dtype)):
+    if not why and not layers.backend.native_max_q:  # the backend's choice, made once: "cpu" on a pool it reads
         why = f"it needs the native CPU attention (backend {backend!r}, {cpu_attention.unavailable_reason(pool.cache_dtype) or 'pool layout'})"
     program = None
     if not why:
@@ -204,8 +207,8 @@ def make_proposer(spec, runner, max_model_len: int, announce=None):
     draft = spec.model
     if isinstance(draft, str) and spec.self_draft_layers is None:
         draft, _ = load_model(draft, dtype=next(runner.model.parameters()).dtype, device=runner.device)
-    return DraftModelProposer(runner.model, runner.pool, runner.draft_logits, None if spec.self_draft_layers else draft,
-                              spec.self_draft_layers, max_model_len, announce)
+    return DraftModelProposer(runner.model, runner.pool, runner.draft_logits, runner.attention_layers,
+                              None if spec.self_draft_layers else draft, spec.self_draft_layers, max_model_len, announce)
 
 
 def max_positions(model: torch.nn.Module) -> int | None:

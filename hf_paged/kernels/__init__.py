@@ -1,5 +1,9 @@
 """Paged KV ops, dispatched on device: ``store_kv`` and ``paged_attention`` (docs/architecture.md, docs/cpu.md).
 
+These public ops resolve ``backend`` on every call: they are for direct callers (tests, tools). The engine
+resolves its backend once at start and its attention layers call the concrete implementations
+(:mod:`hf_paged.attention_backends`).
+
 ``backend``:
 - "auto": Triton for CUDA tensors; on CPU "cpu" when the native kernel builds and passes its probe for
   the cache dtype here, else "torch".
@@ -57,8 +61,9 @@ def _triton_available() -> bool:
     return True
 
 
-def _triton_ops():
-    # imported on first use: the package imports without triton (resolve_backend has checked it is there)
+def triton_ops():
+    """The Triton kernels' module (``store_kv_triton``, ``paged_attention_triton``), imported on first use: the
+    package imports without triton. The engine's Triton backend imports it once, at start."""
     try:
         from hf_paged.kernels import triton_attention
     except ImportError as e:
@@ -103,7 +108,7 @@ def store_kv(
         raise ValueError(f"expected slot_mapping of shape [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
     resolved = resolve_backend(backend, key.device, k_cache.dtype)
     if resolved == "triton":
-        _triton_ops().store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        triton_ops().store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     elif resolved == "cpu":
         store_kv_cpu(key, value, k_cache, v_cache, slot_mapping)
     else:
@@ -168,7 +173,7 @@ def paged_attention(
         )
     resolved = resolve_backend(backend, query.device, k_cache.dtype)
     if resolved == "triton":
-        return _triton_ops().paged_attention_triton(
+        return triton_ops().paged_attention_triton(
             query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
             scale, sliding_window, softcap,
         )

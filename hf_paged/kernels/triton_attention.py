@@ -1,6 +1,6 @@
 """Host side of the Triton paged KV ops: input checks, launch heuristics, kernel launches.
 
-Imported only when the Triton backend is used (``kernels._triton_ops``), so the package imports without
+Imported only when the Triton backend is used (``kernels.triton_ops``), so the package imports without
 triton. The kernels themselves live next to this file by role: ``triton_store.py`` (KV store),
 ``triton_decode.py`` (split-K decode and its reduce), ``triton_varlen.py`` (prefill, chunked prefill,
 speculative verification, mixed batches) and ``triton_common.py`` (their shared key loop).

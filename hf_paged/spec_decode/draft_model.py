@@ -63,9 +63,9 @@ def _shallow(module: torch.nn.Module) -> torch.nn.Module:
     return copy
 
 
-# (batch, kv_caches, tables, model) -> logits [N, V] at the batch's sampled rows: the batch packed over those KV
-# caches with those block tables (seq id -> block ids) and run eagerly through ``model``
-DraftForward = Callable[[list[ScheduledSequence], list, dict[int, list[int]], torch.nn.Module], torch.Tensor]
+# (batch, attention layers, tables, model) -> logits [N, V] at the batch's sampled rows: the batch packed over
+# those layers' KV pool with those block tables (seq id -> block ids) and run eagerly through ``model``
+DraftForward = Callable[[list[ScheduledSequence], object, dict[int, list[int]], torch.nn.Module], torch.Tensor]
 
 
 class DraftModelProposer:
@@ -76,6 +76,8 @@ class DraftModelProposer:
         target_pool: The engine's KV pool (a draft model's pool copies its format, block size and block count;
             ``self_layers`` drafts in it).
         forward: Runs a draft step (:data:`DraftForward`; the model runner's ``draft_logits``).
+        attention_layers: The attention layer objects over a pool, with the engine's backend (the model runner's
+            ``attention_layers``; the target's own for None).
         draft: A causal LM with the target's vocabulary; None with ``self_layers``.
         self_layers: Draft with the target's first this-many layers instead.
         max_model_len: The engine's longest sequence; a draft model must handle it.
@@ -83,7 +85,7 @@ class DraftModelProposer:
             sends it to the other ranks, whose shards of the ``self_layers`` run the same forward with it).
     """
 
-    def __init__(self, target: torch.nn.Module, target_pool: KVPool, forward: DraftForward,
+    def __init__(self, target: torch.nn.Module, target_pool: KVPool, forward: DraftForward, attention_layers,
                  draft: torch.nn.Module | None, self_layers: int | None, max_model_len: int,
                  announce=None) -> None:
         self.forward = forward
@@ -106,6 +108,7 @@ class DraftModelProposer:
             self.model = draft
             self.kv_caches = self.pool.kv_caches
             logger.info("draft model %s: KV pool of %.1f MiB", type(draft).__name__, self.pool.total_bytes / 2**20)
+        self.attention = attention_layers(self.pool)  # its attention layer objects, with the engine's backend
         self.computed: dict[int, int] = {}  # tokens of each sequence whose draft KV is valid
         # forward cost of one drafted token over the target's: the matmul weights each one runs through
         self.relative_cost = matmul_params(self.model) / max(1, matmul_params(target))
@@ -159,7 +162,7 @@ class DraftModelProposer:
     def _greedy(self, batch: list[ScheduledSequence], tables: dict[int, list[int]]) -> list[int]:
         if self.announce is not None:
             self.announce(batch, tables)
-        return self.forward(batch, self.kv_caches, tables, self.model).argmax(dim=-1).tolist()
+        return self.forward(batch, self.attention, tables, self.model).argmax(dim=-1).tolist()
 
 
 def _out_rows(head: torch.nn.Module) -> int:
