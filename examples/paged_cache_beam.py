@@ -5,7 +5,7 @@ import argparse
 from transformers import DynamicCache
 
 import hf_paged
-from hf_paged.default_model import load_default
+from hf_paged.model.default_model import load_default
 
 
 def main(max_new_tokens: int = 32, num_beams: int = 4) -> tuple:
@@ -14,9 +14,9 @@ def main(max_new_tokens: int = 32, num_beams: int = 4) -> tuple:
     kw = dict(max_new_tokens=max_new_tokens, num_beams=num_beams, do_sample=False)
     cache = hf_paged.PagedCache(model, block_size=16)
     # the cache keyword is ``past_key_values`` before transformers 5.24 and ``cache`` from it on
-    paged = model.generate(**inputs, **{hf_paged.cache.CACHE_KWARG: cache}, **kw)
+    paged = model.generate(**inputs, **{hf_paged.hf.cache.CACHE_KWARG: cache}, **kw)
     dynamic_cache = DynamicCache(config=model.config)
-    dynamic = model.generate(**inputs, **{hf_paged.cache.CACHE_KWARG: dynamic_cache}, **kw)
+    dynamic = model.generate(**inputs, **{hf_paged.hf.cache.CACHE_KWARG: dynamic_cache}, **kw)
     print(tok.decode(paged[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
     print(f"same tokens as DynamicCache: {bool((paged == dynamic).all())}")
     print(f"PagedCache K/V bytes held: {cache.kv_bytes_used():,}")

@@ -3,7 +3,7 @@
 import argparse
 
 import hf_paged
-from hf_paged.default_model import default_model_path
+from hf_paged.model.default_model import default_model_path
 
 
 def main(max_new_tokens: int = 48) -> list:

@@ -6,7 +6,7 @@ import threading
 from transformers import TextIteratorStreamer
 
 import hf_paged
-from hf_paged.default_model import load_default
+from hf_paged.model.default_model import load_default
 
 
 def main(max_new_tokens: int = 48) -> tuple[str, str]:

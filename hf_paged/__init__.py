@@ -6,7 +6,7 @@ torch nor transformers.
 
 import importlib
 
-from hf_paged.cpu import isa as _isa
+from hf_paged.kernels.cpu import isa as _isa
 
 # HF_PAGED_ISA=avx2 (or avx512) caps torch's own CPU kernels too; torch reads the caps at its first kernel call.
 _isa.apply_torch_caps()
@@ -15,21 +15,21 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "AsyncPagedEngine": "hf_paged.serving.engine_loop",
-    "BeamSearchOutput": "hf_paged.beam_search",
+    "BeamSearchOutput": "hf_paged.engine.beam_search",
     "BeamSearchParams": "hf_paged.sampling_params",
     "CompletionOutput": "hf_paged.outputs",
     "EngineConfig": "hf_paged.config",
     "EngineClosedError": "hf_paged.serving.engine_loop",
     "EngineFailedError": "hf_paged.serving.engine_loop",
     "EngineStats": "hf_paged.outputs",
-    "PagedCache": "hf_paged.cache",
-    "PagedGenerator": "hf_paged.generator",
+    "PagedCache": "hf_paged.hf.cache",
+    "PagedGenerator": "hf_paged.engine.generator",
     "QueueFullError": "hf_paged.serving.engine_loop",
     "RequestOutput": "hf_paged.outputs",
     "RequestStream": "hf_paged.serving.stream",
     "SamplingParams": "hf_paged.sampling_params",
     "StructuredOutputsParams": "hf_paged.structured_params",
-    "load_gguf": "hf_paged.hf.gguf_loader",
+    "load_gguf": "hf_paged.model.gguf_loader",
     "pipeline": "hf_paged.hf.pipeline",
     "quantize_model": "hf_paged.cpu.quantize_model",
     "unwrap": "hf_paged.hf.wrap",

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from collections.abc import Sequence
 from typing import Any
 
-from hf_paged.cpu import isa
+from hf_paged.kernels.cpu import isa
 from hf_paged.core.prefill_pacer import check_max_itl_ratio
 from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, check_long_prefill_token_threshold
 from hf_paged.kernels import BACKENDS

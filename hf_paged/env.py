@@ -83,7 +83,7 @@ def _runtime_libs() -> tuple[str, str]:
 
 
 def _compiler() -> str:
-    from hf_paged.cpu import native
+    from hf_paged.kernels.cpu import native
 
     cc = native.compiler()
     if cc is None:
@@ -104,7 +104,8 @@ def _gpus() -> list[str]:
 
 def kernel_choices(dtype: torch.dtype, device: str = "cpu") -> dict[str, str]:
     """The linear and attention kernels the engine uses for ``dtype`` on ``device``, each with its reason."""
-    from hf_paged.cpu import attention as cpu_attention, fused_ops, packed_linear
+    from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops
+    from hf_paged.cpu import packed_linear
     from hf_paged.kernels import resolve_backend
 
     if device == "cuda":
@@ -134,7 +135,7 @@ def _quantized_modes() -> dict[str, str]:
 
 
 def _isa_level() -> str:
-    from hf_paged.cpu import isa
+    from hf_paged.kernels.cpu import isa
 
     try:
         return isa.describe()

@@ -16,7 +16,7 @@ TINY_NAME = "tiny-llama"
 def default_tokenizer():
     from transformers import AutoTokenizer
 
-    from hf_paged.default_model import default_model_path
+    from hf_paged.model.default_model import default_model_path
 
     return AutoTokenizer.from_pretrained(str(default_model_path()))
 

@@ -1,4 +1,4 @@
-"""The engine's attention layer objects (hf_paged/attention_layer.py): built once at engine start, one per
+"""The engine's attention layer objects (hf_paged/attention/layer.py): built once at engine start, one per
 decoder layer, holding the layer's pool tensors, settings and the engine's backend; the backend is never
 resolved on a layer call; decode buckets run the engine's backend; engines sharing a model keep their own."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hf_paged import PagedGenerator, SamplingParams, kernels
-from hf_paged.attention_layer import Attention, AttentionLayers
-from hf_paged.cpu import attention as cpu_attention
+from hf_paged.attention.layer import Attention, AttentionLayers
+from hf_paged.kernels.cpu import attention as cpu_attention
 from hf_paged.executor.decode_buckets import DecodeBuckets, resolve_mode
 from hf_paged.kernels import graph_ops, torch_attention
 from tests.arch_configs import make_arch_model
@@ -85,7 +85,7 @@ def test_decode_buckets_with_the_triton_backend_run_triton_on_cpu(monkeypatch):
     """Under the Triton interpreter the static op runs the Triton kernels: it follows the engine's backend, not
     the device (before, any CPU tensor took the torch path)."""
     pytest.importorskip("triton")
-    from hf_paged.kernels import triton_attention
+    from hf_paged.kernels.triton import attention as triton_attention
 
     calls = []
     original = triton_attention.paged_attention_triton

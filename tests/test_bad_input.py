@@ -337,7 +337,7 @@ def test_an_exception_in_the_forward_fails_only_that_steps_requests(engine, monk
 
 
 def test_an_exception_while_sampling_one_request_fails_only_that_request(engine, monkeypatch):
-    from hf_paged.sampling import SeqState
+    from hf_paged.sample.sampling import SeqState
 
     prompts = make_prompts(2, [5, 9], seed=42)
     want = stock_greedy(engine.model, prompts[1], 6)
@@ -379,7 +379,7 @@ def test_non_finite_logits_fail_their_request_with_a_clear_message(engine, monke
 
 
 def test_an_exception_in_a_stop_string_check_fails_only_that_request(engine, monkeypatch):
-    from hf_paged.default_model import load_default
+    from hf_paged.model.default_model import load_default
 
     model, tok = load_default()
     e = PagedGenerator(model, tok, max_num_seqs=4)

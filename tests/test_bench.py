@@ -50,7 +50,7 @@ def test_quantized_system_names_choose_weights_and_kernel_mode():
     import argparse
 
     from hf_paged.bench.workloads import QUANTIZED, quantized_engine
-    from hf_paged.cli_engine import engine_options
+    from hf_paged.cli.engine import engine_options
 
     model = object()
     assert quantized_engine("int4", "fp32", model) == (model, {"quantization": "int4"})

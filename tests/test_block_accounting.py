@@ -19,7 +19,7 @@ from hf_paged.core.block_pool import hash_block_tokens
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, Scheduler
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from hf_paged.sequence import Sequence, SequenceStatus
+from hf_paged.core.sequence import Sequence, SequenceStatus
 from hf_paged.sampling_params import SamplingParams
 
 OPS = {"count": 0, "preempt": {"recompute": 0, "swap": 0}, "prefix_hits": 0, "copies": 0, "forks": 0,

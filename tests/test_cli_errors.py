@@ -11,10 +11,10 @@ import socket
 
 import pytest
 
-from hf_paged import cli
-from hf_paged import cli_engine
+from hf_paged.cli import commands as cli
+from hf_paged.cli import engine as cli_engine
 from hf_paged.cli import main
-from hf_paged.default_model import load_model
+from hf_paged.model.default_model import load_model
 from tests.helpers import make_model
 
 

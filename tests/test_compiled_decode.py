@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.cpu import attention as cpu_attention
-from hf_paged.cpu.native_gemm import NATIVE_GEMM
+from hf_paged.kernels.cpu import attention as cpu_attention
+from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM
 from hf_paged.cpu.native_program import DecodeProgram
 from hf_paged.cpu.program_fit import why_not
 from hf_paged.executor.decode_buckets import check_buckets, default_buckets
@@ -111,7 +111,7 @@ def test_static_buckets_equal_eager_and_stock_generate(arch):
 
 
 def test_static_buckets_on_the_default_model():
-    from hf_paged.default_model import load_default
+    from hf_paged.model.default_model import load_default
 
     model, tok = load_default()
     prompts = [tok(t)["input_ids"] for t in ("The capital of France is", "Once upon a time", "def add(a, b):")]

@@ -8,7 +8,7 @@ import torch
 
 from hf_paged import PagedGenerator, SamplingParams
 from hf_paged.cli import main
-from hf_paged.default_model import default_model_path, load_default
+from hf_paged.model.default_model import default_model_path, load_default
 
 CHAT = [
     [{"role": "user", "content": "Write a short poem about the moon."}],

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.attention import AttentionMetadata
+from hf_paged.attention.function import AttentionMetadata
 from hf_paged.core.scheduler_output import ScheduledSequence
 from hf_paged.executor import Executor, UniProcExecutor
 from hf_paged.executor.input_batch import BlockTables

@@ -11,7 +11,7 @@ import torch
 from hf_paged import PagedGenerator, SamplingParams
 from hf_paged.config import EngineConfig
 from hf_paged.executor import Executor, ExecutorSetup, UniProcExecutor, make_executor
-from hf_paged.kv_pool import KVPool
+from hf_paged.executor.kv_pool import KVPool
 from hf_paged.spec_decode.config import SpeculativeConfig
 from hf_paged.spec_decode.speculator import spec_key
 from tests.helpers import make_model, make_prompts

@@ -9,8 +9,8 @@ import torch
 import transformers
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.cpu import fused_ops
-from hf_paged.cpu.native import NativeLibrary
+from hf_paged.kernels.cpu import fused_ops
+from hf_paged.kernels.cpu.native import NativeLibrary
 from tests.helpers import make_model, make_prompts, stock_greedy
 
 

@@ -332,7 +332,7 @@ def test_public_api_exports():
 
 
 def test_token_id_list_reads_every_form_of_a_token_id_setting():
-    from hf_paged.engine_setup import token_id_list
+    from hf_paged.engine.engine_setup import token_id_list
 
     assert token_id_list(None) == []
     assert token_id_list(2) == [2]
@@ -344,7 +344,7 @@ def test_token_id_list_reads_every_form_of_a_token_id_setting():
 def test_eos_token_ids_come_from_the_generation_config_then_the_tokenizer():
     from types import SimpleNamespace
 
-    from hf_paged.engine_setup import eos_token_ids
+    from hf_paged.engine.engine_setup import eos_token_ids
 
     model = make_model("llama")
     model.generation_config.eos_token_id = [3, torch.tensor(4).item()]

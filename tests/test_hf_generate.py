@@ -243,7 +243,7 @@ def test_unsupported_features_fall_back_with_one_warning(llama):
 
 @pytest.fixture(scope="module")
 def smol():
-    from hf_paged.default_model import load_default
+    from hf_paged.model.default_model import load_default
 
     model, tok = load_default()
     yield model, tok

@@ -1,4 +1,4 @@
-"""HF_PAGED_ISA: forcing the kernels' instruction-set level below the host's (hf_paged/cpu/isa.py)."""
+"""HF_PAGED_ISA: forcing the kernels' instruction-set level below the host's (hf_paged/kernels/cpu/isa.py)."""
 
 import os
 import subprocess
@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from hf_paged import EngineConfig
-from hf_paged.cpu import isa
-from hf_paged.cpu.native import NativeLibrary
+from hf_paged.kernels.cpu import isa
+from hf_paged.kernels.cpu.native import NativeLibrary
 from hf_paged.cpu.quant_linear import _FUNCTIONS
 
 ZEN3 = frozenset("sse4_2 avx avx2 fma f16c bmi2".split())

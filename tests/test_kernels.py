@@ -5,10 +5,10 @@ import platform
 import pytest
 import torch
 
-from hf_paged.cpu import attention as cpu_attention
+from hf_paged.kernels.cpu import attention as cpu_attention
 
 from hf_paged.kernels import TorchAttentionPlan, paged_attention, resolve_backend, store_kv
-from hf_paged.cpu.native import NativeLibrary
+from hf_paged.kernels.cpu.native import NativeLibrary
 from hf_paged.kernels.reference import paged_attention_reference, store_kv_reference
 from hf_paged import PagedGenerator, SamplingParams
 from tests.helpers import make_model, make_prompts, stock_greedy

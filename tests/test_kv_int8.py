@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from hf_paged import BeamSearchParams, EngineConfig, PagedGenerator, SamplingParams
-from hf_paged.cpu import attention as cpu_attention
-from hf_paged.cpu.native import NativeLibrary
+from hf_paged.kernels.cpu import attention as cpu_attention
+from hf_paged.kernels.cpu.native import NativeLibrary
 from hf_paged.kernels import kv_quant, paged_attention, store_kv
 from hf_paged.kernels.reference import paged_attention_reference, store_kv_reference
 from tests.helpers import make_model, make_prompts, stock_greedy
@@ -291,8 +291,8 @@ def test_bad_kv_cache_dtype_raises_value_error_naming_the_choices(value):
 
 @pytest.mark.parametrize("argv", [["generate", "hi"], ["batch", "f.jsonl"], ["serve"], ["chat"], ["bench", "chat"]])
 def test_cli_kv_cache_dtype_reaches_the_engine_options(argv):
-    from hf_paged import cli
-    from hf_paged.cli_engine import engine_options
+    from hf_paged.cli import commands as cli
+    from hf_paged.cli.engine import engine_options
 
     parser = cli.build_parser()
     assert engine_options(parser.parse_args(argv)) == {}
@@ -305,7 +305,7 @@ def test_cli_kv_cache_dtype_reaches_the_engine_options(argv):
 
 
 def test_cli_rejects_other_kv_cache_dtypes_and_workloads(capsys, monkeypatch):
-    from hf_paged import cli
+    from hf_paged.cli import commands as cli
 
     monkeypatch.setattr(cli, "build_engine", lambda args, **kw: pytest.fail("loaded a model before checking the input"))
     assert cli.main(["generate", "hi", "--kv-cache-dtype", "fp8"]) == 2

@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from hf_paged import PagedGenerator, SamplingParams  # noqa: E402
 from hf_paged.kernels import kv_quant  # noqa: E402
-from hf_paged.kernels import triton_attention as ta  # noqa: E402
+from hf_paged.kernels.triton import attention as ta  # noqa: E402
 from hf_paged.kernels.reference import store_kv_reference  # noqa: E402
 from tests.helpers import make_model, make_prompts  # noqa: E402
 from tests.test_kv_int8 import _reference, int8_case  # noqa: E402

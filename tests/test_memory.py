@@ -181,7 +181,7 @@ def test_engine_beam_search_shares_blocks_and_frees_pruned_beams():
 
 
 def test_beam_search_on_the_default_model_equals_stock():
-    from hf_paged.default_model import load_default
+    from hf_paged.model.default_model import load_default
 
     model, tok = load_default()
     chats = [[{"role": "user", "content": "Name a fruit."}], [{"role": "user", "content": "What is 3 + 4?"}]]
@@ -417,7 +417,7 @@ def test_a_failed_step_during_beam_search_raises_instead_of_returning_garbage(mo
 
 
 def test_a_failed_sample_of_a_fork_is_reported_and_leaves_no_state(monkeypatch):
-    from hf_paged.sampling import SeqState
+    from hf_paged.sample.sampling import SeqState
 
     model = make_model("llama")
     engine = PagedGenerator(model, block_size=4, num_blocks=128)
@@ -469,8 +469,8 @@ def _resident_pages(t: torch.Tensor) -> list[bool]:
 
 
 def test_pool_commits_its_pages_ahead_of_use_in_chunks_and_keeps_their_contents(monkeypatch):
-    from hf_paged import kv_pool
-    from hf_paged.kv_pool import KVPool, LayerKVSpec
+    from hf_paged.executor import kv_pool
+    from hf_paged.executor.kv_pool import KVPool, LayerKVSpec
 
     specs = [LayerKVSpec(2, 64, torch.float32)] * 2  # a block is 8 KiB per tensor, 32 KiB in all
     monkeypatch.setattr(kv_pool, "COMMIT_CHUNK_BYTES", 4 * 32 * 1024)
@@ -496,7 +496,7 @@ def test_pool_commits_its_pages_ahead_of_use_in_chunks_and_keeps_their_contents(
 
 
 def test_engine_commits_the_pool_through_the_high_water_mark_before_each_step(monkeypatch):
-    from hf_paged import kv_pool
+    from hf_paged.executor import kv_pool
 
     monkeypatch.setattr(kv_pool, "COMMIT_CHUNK_BYTES", 1)  # commit exactly what each step reaches
     model = make_model("llama")

@@ -8,7 +8,7 @@ import transformers
 
 from hf_paged import PagedGenerator, SamplingParams
 from hf_paged.cpu import packed_linear
-from hf_paged.cpu.native_gemm import NATIVE_GEMM
+from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM
 from tests.helpers import make_model, make_prompts, stock_greedy
 
 # the program runs on the native GEMM: force that packing (a tiny model's start-up timing may pick F.linear)

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     from transformers import DynamicCache
 
     from hf_paged import PagedCache, PagedGenerator, SamplingParams
-    from hf_paged.cache import CACHE_KWARG
+    from hf_paged.hf.cache import CACHE_KWARG
     from tests.helpers import make_model, make_prompts, stock_greedy
 
     def check(ok, what):  # no assert here either: it would be stripped

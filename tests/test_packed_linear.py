@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_paged.attention import engine_forward, engine_forward_active
-from hf_paged.cpu import native_gemm, packed_linear
-from hf_paged.cpu.native import NativeLibrary
+from hf_paged.attention.function import engine_forward, engine_forward_active
+from hf_paged.kernels.cpu import native_gemm
+from hf_paged.cpu import packed_linear
+from hf_paged.kernels.cpu.native import NativeLibrary
 from hf_paged.cpu.packed_linear import NativePackedWeight, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight
 from hf_paged.cpu.packed_model import PackedLinears
 

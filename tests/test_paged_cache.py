@@ -10,7 +10,7 @@ import hf_paged
 from hf_paged.bench.cache_memory import dynamic_cache_kv_bytes, measure_beam_memory
 from hf_paged.core.block_pool import BlockPool
 from hf_paged.core.kv_cache_manager import OutOfBlocksError
-from hf_paged.cache import CACHE_KWARG, PagedCache
+from hf_paged.hf.cache import CACHE_KWARG, PagedCache
 from tests.helpers import make_model, make_prompts
 
 KVH, D = 2, 4

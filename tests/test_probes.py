@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.cpu import attention as cpu_attention, fused_ops, packed_linear, probes
+from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops, probes
+from hf_paged.cpu import packed_linear
 from hf_paged.kernels import reset_fast_paths
 from tests.helpers import make_model, make_prompts, stock_greedy
 

@@ -8,7 +8,7 @@ import torch
 import hf_paged
 from hf_paged import EngineConfig, PagedGenerator, SamplingParams
 from hf_paged.cli import build_parser
-from hf_paged.cli_engine import engine_options
+from hf_paged.cli.engine import engine_options
 from hf_paged.cpu import quant_modes
 from hf_paged.cpu.quant_linear import QuantLinear
 from tests.helpers import make_model, make_prompts

@@ -82,7 +82,7 @@ def test_bad_quantization_names_and_shapes(caplog):
 @pytest.fixture(scope="module")
 def default_models():
     pytest.importorskip("gguf")
-    from hf_paged.default_model import load_default
+    from hf_paged.model.default_model import load_default
 
     try:
         quantized, tok = load_default(quantized=True)
@@ -123,15 +123,15 @@ def test_gguf_kept_quantized_equals_the_dequantized_model(default_models):
 
 def test_gguf_unsupported_type_is_a_clear_error(monkeypatch):
     gguf = pytest.importorskip("gguf")
-    from hf_paged.default_model import gguf_path
-    from hf_paged.hf import gguf_loader
+    from hf_paged.model.default_model import gguf_path
+    from hf_paged.model import gguf_loader
 
     try:
         path = gguf_path()
     except ImportError as e:
         pytest.skip(str(e))
     from transformers import AutoConfig
-    from hf_paged.default_model import default_model_path
+    from hf_paged.model.default_model import default_model_path
 
     config = AutoConfig.from_pretrained(default_model_path())
     config.num_hidden_layers = 1  # the first tensors decide; fewer layers to build
@@ -165,8 +165,8 @@ def test_gguf_unsupported_type_dequantized_on_request(monkeypatch, caplog):
     pytest.importorskip("gguf")
     from transformers import AutoConfig
 
-    from hf_paged.default_model import default_model_path, gguf_path
-    from hf_paged.hf import gguf_loader
+    from hf_paged.model.default_model import default_model_path, gguf_path
+    from hf_paged.model import gguf_loader
 
     try:
         path = gguf_path()
@@ -175,7 +175,7 @@ def test_gguf_unsupported_type_dequantized_on_request(monkeypatch, caplog):
     config = AutoConfig.from_pretrained(default_model_path())
     config.num_hidden_layers = 1
     monkeypatch.setattr(gguf_loader, "KEPT", ("Q8_0",))  # as if Q4_1 were a type we cannot run
-    with caplog.at_level(logging.WARNING, logger="hf_paged.hf.gguf_loader"):
+    with caplog.at_level(logging.WARNING, logger="hf_paged.model.gguf_loader"):
         model, _ = gguf_loader.load_gguf(path, tokenizer=False, config=config, unsupported="dequantize")
     assert sum("GGUF tensors of type Q4_1" in r.message for r in caplog.records) == 1
     q_proj = model.model.layers[0].self_attn.q_proj

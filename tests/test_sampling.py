@@ -2,7 +2,7 @@
 
 import torch
 
-from hf_paged.sampling import Sampler, SeqState, apply_min_p, apply_top_k_top_p
+from hf_paged.sample.sampling import Sampler, SeqState, apply_min_p, apply_top_k_top_p
 from hf_paged.sampling_params import SamplingParams
 
 
@@ -126,7 +126,7 @@ def test_each_sequence_state_owns_its_generator():
 def test_exponential_noise_from_uniform_stays_positive_and_finite():
     """u = 0 (a 2^-24 chance per draw, so about once per few steps of 64 x 49152 draws) must not give E = 0:
     p / 0 would be inf for a live token and NaN for a masked (p = 0) one."""
-    from hf_paged.sampling import uniform_to_exponential_
+    from hf_paged.sample.sampling import uniform_to_exponential_
 
     u = torch.tensor([0.0, 0.5, 1.0 - 2**-24, 2**-24])
     e = uniform_to_exponential_(u.clone())

@@ -10,7 +10,7 @@ import pytest
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from hf_paged.sequence import Sequence, SequenceStatus
+from hf_paged.core.sequence import Sequence, SequenceStatus
 from hf_paged.sampling_params import SamplingParams
 
 
@@ -55,7 +55,7 @@ def blocks(sched, request):
 
 def test_scheduling_layer_imports_neither_torch_nor_transformers():
     code = (
-        "import sys, hf_paged.core.scheduler, hf_paged.core.kv_cache_manager, hf_paged.sequence, "
+        "import sys, hf_paged.core.scheduler, hf_paged.core.kv_cache_manager, hf_paged.core.sequence, "
         "hf_paged.core.scheduler_output; "
         "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; "
         "assert not bad, bad"

@@ -13,7 +13,7 @@ import pytest
 
 from hf_paged import PagedGenerator, SamplingParams
 from hf_paged.cli import main
-from hf_paged.default_model import DEFAULT_MODEL_NAME, load_default
+from hf_paged.model.default_model import DEFAULT_MODEL_NAME, load_default
 from hf_paged.serving.protocol import apply_chat_template
 from tests.serving_helpers import (
     TINY_NAME, default_tokenizer, scrape, serve, tiny_chat_model, used_blocks, wait_until,

@@ -7,7 +7,7 @@ import torch
 
 import hf_paged
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.sampling import Sampler, SeqState
+from hf_paged.sample.sampling import Sampler, SeqState
 from hf_paged.spec_decode import SpeculativeConfig
 from hf_paged.spec_decode.ngram import NgramProposer
 from hf_paged.spec_decode.verifier import verify
@@ -233,7 +233,7 @@ def test_wrapped_generate_runs_assisted_generation_in_the_engine(kind):
 
 
 def test_default_model_speculation_equals_stock():
-    from hf_paged.default_model import load_default
+    from hf_paged.model.default_model import load_default
 
     model, tok = load_default()
     text = "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank."

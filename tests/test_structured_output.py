@@ -222,7 +222,7 @@ def test_default_model_fifty_records_all_validate():
     """The issue's target on the real default model: 50 requests for a record of a schema, 50/50 valid; a
     regex and a choice likewise."""
     from hf_paged.bench.structured import RECORD_SCHEMA, record_prompts
-    from hf_paged.default_model import load_default
+    from hf_paged.model.default_model import load_default
 
     model, tok = load_default()
     prompts = record_prompts(tok, 50)

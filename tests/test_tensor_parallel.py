@@ -195,7 +195,7 @@ def test_openai_server_on_a_tensor_parallel_engine():
 
 def test_default_model_from_pretrained():
     """The default model (9 query / 3 KV heads: split 3 + 6 over 2 ranks) loaded by every rank from its folder."""
-    from hf_paged.default_model import default_model_path, load_default
+    from hf_paged.model.default_model import default_model_path, load_default
 
     model, tokenizer = load_default()
     chats = [[{"role": "user", "content": c}] for c in ("What is the capital of France?", "Write a haiku about rain.")]

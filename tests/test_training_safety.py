@@ -9,7 +9,8 @@ non-causal. The guard test shows our checks would catch exactly that bug.
 import pytest
 import torch
 
-from hf_paged import PagedGenerator, SamplingParams, attention
+from hf_paged import PagedGenerator, SamplingParams
+from hf_paged.attention import function as attention
 from tests.arch_configs import WINDOW, make_arch_model
 from tests.helpers import make_prompts, stock_greedy
 

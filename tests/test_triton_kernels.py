@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from hf_paged import PagedGenerator, SamplingParams  # noqa: E402
 from hf_paged.kernels import paged_attention, store_kv  # noqa: E402
-from hf_paged.kernels import triton_attention as ta  # noqa: E402
+from hf_paged.kernels.triton import attention as ta  # noqa: E402
 from hf_paged.kernels.reference import paged_attention_reference, store_kv_reference  # noqa: E402
 from tests.helpers import make_model, make_prompts, stock_greedy  # noqa: E402
 from tests.kernel_cases import make_case  # noqa: E402

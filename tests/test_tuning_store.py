@@ -1,11 +1,12 @@
-"""Kernel timings kept across runs (hf_paged/cpu/tuning_store.py): a warm start reads them instead of timing."""
+"""Kernel timings kept across runs (hf_paged/kernels/cpu/tuning_store.py): a warm start reads them instead of timing."""
 
 import json
 
 import pytest
 import torch
 
-from hf_paged.cpu import packed_linear, tuning_store
+from hf_paged.cpu import packed_linear
+from hf_paged.kernels.cpu import tuning_store
 
 SHAPE = (48, 40)  # a shape no other test times
 

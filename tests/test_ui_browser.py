@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hf_paged import AsyncPagedEngine, PagedGenerator, SamplingParams
-from hf_paged.default_model import load_default
+from hf_paged.model.default_model import load_default
 from hf_paged.outputs import EngineStats
 from hf_paged.ui import ChatDemo, build_prompt
 from hf_paged.ui.chat import STOPPED

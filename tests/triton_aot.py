@@ -22,10 +22,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hf_paged.kernels import triton_attention as ta  # noqa: E402
-from hf_paged.kernels.triton_decode import decode_kernel, reduce_splits_kernel  # noqa: E402
-from hf_paged.kernels.triton_store import store_kv_kernel  # noqa: E402
-from hf_paged.kernels.triton_varlen import varlen_kernel  # noqa: E402
+from hf_paged.kernels.triton import attention as ta  # noqa: E402
+from hf_paged.kernels.triton.decode import decode_kernel, reduce_splits_kernel  # noqa: E402
+from hf_paged.kernels.triton.store import store_kv_kernel  # noqa: E402
+from hf_paged.kernels.triton.varlen import varlen_kernel  # noqa: E402
 
 MAX_SHARED = 99 * 1024  # sm_86 / sm_89 per-block limit; sm_80 has 163 KB, sm_90 227 KB
 FLOATS = {"scale", "softcap"}

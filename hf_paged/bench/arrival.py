@@ -81,7 +81,7 @@ def measure(model, stream_ids: list[int], long_ids: list[int], engine_kw: dict) 
 
 
 def arrival(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, context: int = 4000, **_) -> dict:
-    from hf_paged.default_model import load_default
+    from hf_paged.model.default_model import load_default
 
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     model, tokenizer = load_default(dtype=torch_dtype)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from hf_paged.cache import CACHE_KWARG, PagedCache
+from hf_paged.hf.cache import CACHE_KWARG, PagedCache
 
 
 @dataclass
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     args = p.parse_args(argv)
 
-    from hf_paged.default_model import load_default, load_model, parse_dtype
+    from hf_paged.model.default_model import load_default, load_model, parse_dtype
 
     dtype = parse_dtype(args.dtype)
     if args.model == "tiny":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from hf_paged.cpu import isa
+from hf_paged.kernels.cpu import isa
 
 REPO_DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "chat_prompts.jsonl"
 

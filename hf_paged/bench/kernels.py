@@ -105,7 +105,7 @@ def _make_pool(torch, args, seq_lens: list[int], q_lens: list[int], dtype):
 
 def _runners(torch, args, query, k_cache, v_cache, block_tables, seq_lens, cu, max_q, max_k):
     from hf_paged.kernels import TorchAttentionPlan, paged_attention
-    from hf_paged.kernels import triton_attention as ta
+    from hf_paged.kernels.triton import attention as ta
 
     scale = args.head_dim**-0.5
     plan = TorchAttentionPlan.build(block_tables, seq_lens, cu, args.block_size)  # once per step in the engine
@@ -117,7 +117,7 @@ def _runners(torch, args, query, k_cache, v_cache, block_tables, seq_lens, cu, m
 
 
 def bench_decode(torch, args, backends: list[str]) -> list[Row]:
-    from hf_paged.kernels import triton_attention as ta
+    from hf_paged.kernels.triton import attention as ta
 
     dtype = getattr(torch, DTYPES[args.dtype])
     elem = torch.finfo(dtype).bits // 8

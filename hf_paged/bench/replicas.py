@@ -115,7 +115,7 @@ def _run_once(url: str, routing: str, num_replicas: int, work, dtype: str, max_n
     """Deploy the application with ``routing``, run the conversations, delete it."""
     from ray import serve
 
-    from hf_paged.default_model import DEFAULT_MODEL_NAME
+    from hf_paged.model.default_model import DEFAULT_MODEL_NAME
     from hf_paged.serving.ray_app import EngineSpec
     from hf_paged.serving.replicas import APP_NAME, build_application, wait_until_running
 
@@ -140,7 +140,7 @@ def replicas(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = No
     import ray
     from ray import serve
 
-    from hf_paged.default_model import DEFAULT_MODEL_NAME
+    from hf_paged.model.default_model import DEFAULT_MODEL_NAME
 
     unknown = set(systems or ()) - set(ROUTINGS)
     if unknown:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from hf_paged.bench.common import load_chat_messages, machine_info
-from hf_paged.default_model import DEFAULT_MODEL_NAME
+from hf_paged.model.default_model import DEFAULT_MODEL_NAME
 
 DEFAULT_CLIENTS = (1, 16, 64)
 SYSTEMS = ("http", "generate")  # --systems: the server over HTTP, the same engine stepped in this process
@@ -147,7 +147,7 @@ def serve(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None,
     """Run the workload; prints a table and one JSON line, returns the JSON payload."""
     from hf_paged import SamplingParams
     from hf_paged.bench.workloads import run_engine
-    from hf_paged.default_model import load_default, parse_dtype
+    from hf_paged.model.default_model import load_default, parse_dtype
 
     levels = list(clients or DEFAULT_CLIENTS)
     max_tokens = max_tokens or 128

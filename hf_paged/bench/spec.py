@@ -14,7 +14,7 @@ import time
 
 from hf_paged import PagedGenerator, SamplingParams
 from hf_paged.bench.common import machine_info
-from hf_paged.default_model import load_default, parse_dtype
+from hf_paged.model.default_model import load_default, parse_dtype
 
 # Four passages of about 300 tokens each, so that copying them covers the 256 tokens generated.
 TEXTS = [

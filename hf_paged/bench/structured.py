@@ -15,7 +15,7 @@ import time
 
 from hf_paged import PagedGenerator, SamplingParams
 from hf_paged.bench.common import machine_info, patched
-from hf_paged.default_model import load_default, parse_dtype
+from hf_paged.model.default_model import load_default, parse_dtype
 from hf_paged.structured.matchers import StructuredMatchers
 from hf_paged.structured_params import StructuredOutputsParams
 

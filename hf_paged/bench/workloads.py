@@ -13,8 +13,8 @@ from hf_paged.bench.common import (
     SystemResult, best_of, compute_params, load_chat_messages, matmul_flops, print_report,
 )
 from hf_paged.bench.serve import serve
-from hf_paged.default_model import load_default, parse_dtype
-from hf_paged.engine_setup import token_id_list
+from hf_paged.model.default_model import load_default, parse_dtype
+from hf_paged.engine.engine_setup import token_id_list
 
 ENGINE = "hf_paged"
 EAGER = "eager"  # --systems name of the engine run with enforce_eager=True (chat, latency)

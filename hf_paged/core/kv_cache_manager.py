@@ -1,6 +1,6 @@
 """The one block manager: which blocks hold each sequence's KV (pure Python).
 
-Used by the engine's scheduler and by :class:`~hf_paged.cache.PagedCache` alike. Sequences are identified by
+Used by the engine's scheduler and by :class:`~hf_paged.hf.cache.PagedCache` alike. Sequences are identified by
 any hashable id. Every mutator that can run out of blocks has a predicate twin, and running out is normal:
 ``allocate_slots`` returns None and changes nothing, and the caller preempts.
 

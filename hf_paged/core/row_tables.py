@@ -1,6 +1,6 @@
 """Block tables of the rows of one ``generate`` batch, over the one block manager (pure Python).
 
-The bookkeeping half of :class:`hf_paged.cache.PagedCache`.
+The bookkeeping half of :class:`hf_paged.hf.cache.PagedCache`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from hf_paged.core.prefill_pacer import PrefillPacer, check_max_itl_ratio
 from hf_paged.core.scheduler_output import NewSequenceData, ScheduledSequence, SchedulerOutput
 from hf_paged.core.scheduler_update import SchedulerUpdate
 from hf_paged.core.waiting_queue import WaitingQueue
-from hf_paged.sequence import Sequence, SequenceStatus
+from hf_paged.core.sequence import Sequence, SequenceStatus
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap", "auto")

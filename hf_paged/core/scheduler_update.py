@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 
 from hf_paged.core.scheduler_output import BeamUpdate, ModelRunnerOutput, SchedulerOutput
-from hf_paged.sequence import Sequence, SequenceStatus
+from hf_paged.core.sequence import Sequence, SequenceStatus
 
 
 class SchedulerUpdate:

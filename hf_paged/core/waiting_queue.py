@@ -6,7 +6,7 @@ import bisect
 from collections import deque
 from collections.abc import Iterator
 
-from hf_paged.sequence import Sequence
+from hf_paged.core.sequence import Sequence
 
 
 class WaitingQueue:

@@ -29,8 +29,9 @@ import weakref
 
 import torch
 
-from hf_paged import attention, model_patches
-from hf_paged.cpu import fused_ops
+from hf_paged.attention import function as attention
+from hf_paged.model import patches as model_patches
+from hf_paged.kernels.cpu import fused_ops
 from hf_paged.cpu.quant_linear import QuantLinear
 from hf_paged.model.layers.linear import linear_of
 

@@ -25,12 +25,12 @@ import logging
 
 import torch
 
-from hf_paged import model_patches
+from hf_paged.model import patches as model_patches
 from hf_paged.cpu.fused_layers import GATE_UP, QKV, window_getter
 from hf_paged.cpu.program_fit import DTYPES
 from hf_paged.cpu.program_fit import hooks, skipped_modules, why_not
-from hf_paged.cpu import attention as cpu_attention, fused_ops
-from hf_paged.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
+from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops
+from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
 from hf_paged.cpu.quant_program import QuantEmbedding, QuantLinear, QuantOp, quant_group
 from hf_paged.model.layers.linear import ParallelLinear, linear_of
 

@@ -17,7 +17,7 @@ matmuls faster at every row count:
   widened and outputs rounded back. For CPUs without bf16 arithmetic (AVX2 only), where torch emulates bf16
   matmuls at ~1/6 of the fp32 speed; costs twice the bf16 weights in memory.
 
-Every packing is probed once per process and dtype (:mod:`hf_paged.cpu.probes`): oneDNN's bf16 packing,
+Every packing is probed once per process and dtype (:mod:`hf_paged.kernels.cpu.probes`): oneDNN's bf16 packing,
 for one, is in every x86 build of torch but raises on CPUs without AVX-512 BW/VL/DQ or AVX-NE-CONVERT. With
 ``kind="auto"`` the fastest of plain ``F.linear`` and the packings that work is timed once on one of the
 model's weight shapes, with the weight coming from DRAM as in an engine step, and kept, per dtype.
@@ -39,8 +39,8 @@ import time
 
 import torch
 
-from hf_paged.cpu import native_gemm, probes, tuning_store
-from hf_paged.cpu.native_gemm import NativePackedWeight
+from hf_paged.kernels.cpu import native_gemm, probes, tuning_store
+from hf_paged.kernels.cpu.native_gemm import NativePackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ def fastest_kind(
 
     "torch" when no packing works, or (``include_torch``) none clearly beats ``F.linear``. Timed once per
     process and shape (tens of ms: each kind packs and runs copies of the weight that overflow the caches), and
-    kept across runs on this host (:mod:`hf_paged.cpu.tuning_store`): a warm start reads the timings.
+    kept across runs on this host (:mod:`hf_paged.kernels.cpu.tuning_store`): a warm start reads the timings.
     """
     key = (dtype, out_features, in_features, include_torch)
     if key in _fastest:

@@ -27,8 +27,8 @@ import math
 
 import torch
 
-from hf_paged.cpu import probes
-from hf_paged.cpu.native import NativeLibrary
+from hf_paged.kernels.cpu import probes
+from hf_paged.kernels.cpu.native import NativeLibrary
 from hf_paged.cpu.quant_formats import (  # noqa: F401 - re-exported
     ACTIVATIONS, BLOCK_BYTES, FORMATS, GROUP, QUANTIZATIONS, check_format, dequantize_torch, quantize,
     quantize_activations, round_bf16,

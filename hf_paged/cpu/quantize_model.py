@@ -9,7 +9,7 @@ embeddings stay float (a lookup reads a few rows). A linear whose input width is
 (one warning naming how many). With ``quant_activations="int8"`` (or ``"bf16"``) every ``QuantLinear`` of the
 model (those just made and those a GGUF file brought) runs the int8- (or bf16-) activation kernels; ``"auto"`` picks
 the fastest mode here (:mod:`hf_paged.cpu.quant_modes`). The change belongs to the model, shared by
-its engines (:mod:`hf_paged.model_patches`), and :meth:`QuantizedLinears.remove` (the last engine's ``close()``)
+its engines (:mod:`hf_paged.model.patches`), and :meth:`QuantizedLinears.remove` (the last engine's ``close()``)
 puts the original modules and modes back; the originals stay referenced meanwhile, so the float weights stay in
 memory (the model is the caller's, and int8 weights could not give the same numbers back). :func:`quantize_model`
 converts a model for good instead, dropping the float layers.
@@ -140,7 +140,7 @@ def quantize_model(model: torch.nn.Module, quantization: str, *, lm_head: bool =
         ValueError: an unknown ``quantization``; a model an engine holds (close it first); a model already
             quantized (by an earlier call, or from a GGUF file); a model with no CPU ``nn.Linear`` to quantize.
     """
-    from hf_paged import model_patches
+    from hf_paged.model import patches as model_patches
 
     if quantization is None or quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {sorted(QUANTIZATIONS)}, got {quantization!r}")

@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hf_paged.attention import METADATA_KWARG, AttentionMetadata, engine_forward
-from hf_paged.attention_layer import AttentionLayers
+from hf_paged.attention.function import METADATA_KWARG, AttentionMetadata, engine_forward
+from hf_paged.attention.layer import AttentionLayers
 from hf_paged.core.scheduler_output import ScheduledSequence
 from hf_paged.executor.input_batch import BlockTables, pack_step
 from hf_paged.config import DECODE_MODES as MODES, check_buckets, default_buckets  # noqa: F401 - re-exported

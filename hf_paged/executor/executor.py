@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_paged import model_patches
-from hf_paged.attention_backends import make_backend
-from hf_paged.attention_layer import AttentionLayers
+from hf_paged.model import patches as model_patches
+from hf_paged.attention.backends import make_backend
+from hf_paged.attention.layer import AttentionLayers
 from hf_paged.config import EngineConfig
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from hf_paged.cpu import attention as cpu_attention
+from hf_paged.kernels.cpu import attention as cpu_attention
 from hf_paged.executor.decode_buckets import DecodeBuckets
 from hf_paged.executor.input_batch import BlockTables
 from hf_paged.executor.model_runner import ModelRunner
@@ -35,8 +35,8 @@ from hf_paged.executor.setup import (
     build_pool, make_fast_runner, make_proposer, maybe_fuse, maybe_prepack, maybe_quantize, release_model,
 )
 from hf_paged.kernels import resolve_backend
-from hf_paged.kv_pool import KVPool
-from hf_paged.sampling import Sampler
+from hf_paged.executor.kv_pool import KVPool
+from hf_paged.sample.sampling import Sampler
 
 if TYPE_CHECKING:
     from hf_paged.cpu.fused_layers import FusedLayers
@@ -52,7 +52,7 @@ class ExecutorSetup:
     change them (after :meth:`Executor.close` the layer objects read None).
 
     Attributes:
-        pool: The KV pool (:class:`~hf_paged.kv_pool.KVPool`; under tensor parallelism, rank 0's: its KV heads).
+        pool: The KV pool (:class:`~hf_paged.executor.kv_pool.KVPool`; under tensor parallelism, rank 0's: its KV heads).
         backend: The attention backend in use: "cpu", "torch" or "triton".
         packed: The model's packed linears, or None.
         fused: The model's fused decoder layers, or None.

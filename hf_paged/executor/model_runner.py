@@ -1,7 +1,7 @@
 """Scheduler output -> one packed ragged batch -> a forward -> sampled tokens (a ``ModelRunnerOutput``).
 
 The runner sees plain data only (:mod:`hf_paged.core.scheduler_output`) and keeps its own per-sequence
-state: sampling state (:class:`~hf_paged.sampling.SeqState`), created the first time a sequence is scheduled,
+state: sampling state (:class:`~hf_paged.sample.sampling.SeqState`), created the first time a sequence is scheduled,
 and block tables (:class:`~hf_paged.executor.input_batch.BlockTables`), updated from each step's diffs; both
 dropped when the scheduler reports the sequence finished. Each step runs on one step runner
 (:mod:`hf_paged.executor.step_runners`): the fast one chosen at start where it takes steps of this kind, the
@@ -14,14 +14,14 @@ import logging
 
 import torch
 
-from hf_paged.attention import AttentionMetadata
-from hf_paged.attention_layer import AttentionLayers
+from hf_paged.attention.function import AttentionMetadata
+from hf_paged.attention.layer import AttentionLayers
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SampledLogprobs, ScheduledSequence, SchedulerOutput
 from hf_paged.executor.input_batch import BlockTables, pack_step, table_tensor
 from hf_paged.executor.step_runners import EagerStepRunner, Step, StepInputs, StepRunner
-from hf_paged.kv_pool import KVPool
-from hf_paged.logits_processors import criteria_stop
-from hf_paged.sampling import Sampler, SeqState
+from hf_paged.executor.kv_pool import KVPool
+from hf_paged.sample.logits_processors import criteria_stop
+from hf_paged.sample.sampling import Sampler, SeqState
 from hf_paged.spec_decode.speculator import Speculator
 from hf_paged.spec_decode.verifier import verify
 from hf_paged.structured.matchers import StructuredMatchers

@@ -8,21 +8,23 @@ import os
 
 import torch
 
-from hf_paged import attention, model_patches
-from hf_paged.attention_layer import AttentionLayers
+from hf_paged.attention import function as attention
+from hf_paged.model import patches as model_patches
+from hf_paged.attention.layer import AttentionLayers
 from hf_paged.config import EngineConfig
-from hf_paged.cpu import attention as cpu_attention, fused_ops, packed_linear
+from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops
+from hf_paged.cpu import packed_linear
 from hf_paged.cpu.fused_layers import FAMILIES, FusedLayers
 from hf_paged.cpu.native_program import DecodeProgram
 from hf_paged.cpu.packed_model import PackedLinears
 from hf_paged.cpu.program_fit import hooks, skipped_modules, why_not
 from hf_paged.cpu.quant_linear import QuantLinear
 from hf_paged.cpu.quantize_model import QuantizedLinears
-from hf_paged.default_model import load_model
+from hf_paged.model.default_model import load_model
 from hf_paged.executor.decode_buckets import DecodeBuckets, resolve_mode
 from hf_paged.executor.input_batch import BlockTables
-from hf_paged.kv_pool import KVPool, decide_num_blocks, probe_kv_layout
-from hf_paged.model_config import text_config
+from hf_paged.executor.kv_pool import KVPool, decide_num_blocks, probe_kv_layout
+from hf_paged.model.hf_config import text_config
 from hf_paged.spec_decode.draft_model import DraftModelProposer
 from hf_paged.spec_decode.ngram import NgramProposer
 

@@ -49,7 +49,7 @@ class ModelSource:
             raise TypeError(f"model must be a transformers model or a folder path, got {type(model).__name__}")
         if next(model.parameters()).device.type != "cpu":
             raise ValueError("tensor parallelism from a model in memory needs it on the CPU; give a folder path instead")
-        from hf_paged import model_patches
+        from hf_paged.model import patches as model_patches
 
         if model_patches.current(model, "quantization") is not None:  # its layers are another engine's, for now
             raise ValueError("tensor parallelism: another engine on this model quantized its linears (or set their "
@@ -134,7 +134,7 @@ def _safetensors_files(folder: Path) -> dict[str, Path] | None:
 
 
 def _load_folder_shard(path: str, dtype: str, rank: int, world: int) -> tuple[torch.nn.Module, object]:
-    from hf_paged.default_model import load_model, load_model_generation_config, parse_dtype
+    from hf_paged.model.default_model import load_model, load_model_generation_config, parse_dtype
 
     files = _safetensors_files(Path(path))
     source = ModelSource(path=path, dtype=dtype)

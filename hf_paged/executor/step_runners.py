@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from hf_paged.attention import METADATA_KWARG, AttentionMetadata, engine_forward
+from hf_paged.attention.function import METADATA_KWARG, AttentionMetadata, engine_forward
 from hf_paged.core.scheduler_output import ScheduledSequence
 
 

@@ -1,6 +1,6 @@
 """HF-facing adapters: what plugs hf_paged into stock transformers APIs."""
 
-from hf_paged.cache import PagedCache
+from hf_paged.hf.cache import PagedCache
 from hf_paged.hf.wrap import is_wrapped, unwrap, wrap
 
 def __getattr__(name: str):

@@ -16,8 +16,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
-from hf_paged.cache import CACHE_KWARG, PagedCache
-from hf_paged.engine_setup import token_id_list
+from hf_paged.hf.cache import CACHE_KWARG, PagedCache
+from hf_paged.engine.engine_setup import token_id_list
 import hf_paged.hf.generate_processors as hooks
 from hf_paged.hf.generate_beam import beam_generate
 from hf_paged.hf.generate_output import FinishedRowScores, assemble

@@ -6,7 +6,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
-from hf_paged.engine_setup import token_id_list
+from hf_paged.engine.engine_setup import token_id_list
 from hf_paged.sampling_params import BeamSearchParams
 
 

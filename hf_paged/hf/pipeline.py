@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from transformers import Pipeline, pipeline as hf_pipeline
 
-from hf_paged.default_model import load_model
+from hf_paged.model.default_model import load_model
 from hf_paged.hf.wrap import is_wrapped, wrap
 
 def pipeline(model, tokenizer=None, dtype=None, device: str | None = None, **engine_config) -> Pipeline:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_paged.generator import PagedGenerator
+from hf_paged.engine.generator import PagedGenerator
 from hf_paged.hf.generate import paged_generate
 
 _STATE = "_hf_paged_state"

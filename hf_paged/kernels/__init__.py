@@ -2,14 +2,14 @@
 
 These public ops resolve ``backend`` on every call: they are for direct callers (tests, tools). The engine
 resolves its backend once at start and its attention layers call the concrete implementations
-(:mod:`hf_paged.attention_backends`).
+(:mod:`hf_paged.attention.backends`).
 
 ``backend``:
 - "auto": Triton for CUDA tensors; on CPU "cpu" when the native kernel builds and passes its probe for
   the cache dtype here, else "torch".
 - "torch": vectorized torch (gather + SDPA per group of sequences); runs anywhere.
 - "cpu": the torch path, with short queries (decode, speculative verification) computed by a native C
-  kernel that reads the pool in place (``hf_paged/cpu/attention.py``).
+  kernel that reads the pool in place (``hf_paged/kernels/cpu/attention.py``).
 - "triton": the Triton kernels (on CPU only under ``TRITON_INTERPRET=1``).
 """
 
@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from hf_paged.cpu import attention as cpu_attention
+from hf_paged.kernels.cpu import attention as cpu_attention
 from hf_paged.kernels.kv_quant import head_dim_of
 from hf_paged.kernels.torch_attention import TorchAttentionPlan, paged_attention_torch, store_kv_torch
 
@@ -65,7 +65,7 @@ def triton_ops():
     """The Triton kernels' module (``store_kv_triton``, ``paged_attention_triton``), imported on first use: the
     package imports without triton. The engine's Triton backend imports it once, at start."""
     try:
-        from hf_paged.kernels import triton_attention
+        from hf_paged.kernels.triton import attention as triton_attention
     except ImportError as e:
         raise ImportError(f"the Triton backend failed to import ({e}); pip install 'hf-paged[triton]'") from e
     return triton_attention
@@ -189,7 +189,8 @@ def paged_attention(
 
 def reset_fast_paths() -> None:
     """Forget every probe result, timing and loaded native library: the next use probes afresh (tests)."""
-    from hf_paged.cpu import fused_ops, packed_linear, probes
+    from hf_paged.kernels.cpu import fused_ops, probes
+    from hf_paged.cpu import packed_linear
 
     probes.reset()
     packed_linear.reset()

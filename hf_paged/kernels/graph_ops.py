@@ -9,7 +9,7 @@ node of a compiled graph (no graph break per layer) and takes only tensors of fi
   ``seq_lens = 0`` (nothing is read for them); their output rows are zeros on the torch paths and unspecified
   on Triton;
 - ``backend`` is the engine's attention backend, passed by the engine's static step attention
-  (:meth:`hf_paged.attention_backends.AttentionBackend.static`); the op runs that backend's kernels whatever
+  (:meth:`hf_paged.attention.backends.AttentionBackend.static`); the op runs that backend's kernels whatever
   the device, and never probes or resolves anything itself:
   - "triton": the Triton store and attention kernels with host arguments fixed per bucket (``max_seqlen_k``
     is the engine's ``max_model_len``), so it can be captured in a CUDA graph;
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.cpu import attention as cpu_attention
+from hf_paged.kernels.cpu import attention as cpu_attention
 from hf_paged.kernels import triton_ops
 from hf_paged.kernels.torch_attention import TorchAttentionPlan, paged_attention_torch, store_kv_torch
 

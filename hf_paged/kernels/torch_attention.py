@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hf_paged.cpu.attention import paged_attention_native
+from hf_paged.kernels.cpu.attention import paged_attention_native
 from hf_paged.kernels.kv_quant import dequantize_rows, is_int8, quantize_rows
 
 

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hf_paged.generator import PagedGenerator, Prompt
+from hf_paged.engine.generator import PagedGenerator, Prompt
 from hf_paged.outputs import EngineStats, RequestOutput
-from hf_paged.sequence import SequenceStatus
+from hf_paged.core.sequence import SequenceStatus
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.serving.common import EngineClosedError, EngineFailedError, QueueFullError, StepInfo, ThroughputWindow
 from hf_paged.serving.loop_faults import LoopFaults
@@ -36,8 +36,8 @@ HEALTH_CHECK_PERIOD_S = 1.0  # an idle loop looks at the executor's health this 
 @dataclass
 class _Submission:
     stream: RequestStream
-    request: Any  # hf_paged.sequence.Sequence
-    state: Any  # hf_paged.output_processor.RequestState
+    request: Any  # hf_paged.core.sequence.Sequence
+    state: Any  # hf_paged.engine.output_processor.RequestState
 
 
 class AsyncPagedEngine(LoopFaults):

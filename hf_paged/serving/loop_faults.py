@@ -18,7 +18,7 @@ import time
 from collections import deque
 
 from hf_paged.outputs import RequestOutput
-from hf_paged.sequence import SequenceStatus
+from hf_paged.core.sequence import SequenceStatus
 from hf_paged.serving.common import EngineClosedError
 
 logger = logging.getLogger(__name__)

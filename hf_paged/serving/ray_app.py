@@ -70,7 +70,7 @@ class EngineSpec:
     def name(self) -> str:
         import os
 
-        from hf_paged.default_model import DEFAULT_MODEL_NAME
+        from hf_paged.model.default_model import DEFAULT_MODEL_NAME
 
         if self.served_model_name:
             return self.served_model_name
@@ -79,7 +79,7 @@ class EngineSpec:
     def load(self):
         if self.loader is not None:
             return self.loader()
-        from hf_paged.default_model import load_default, load_model
+        from hf_paged.model.default_model import load_default, load_model
 
         if self.model:
             return load_model(self.model, dtype=self.dtype)
@@ -98,7 +98,7 @@ class EngineSpec:
         if config.get("tensor_parallel_size", 1) > 1 and self.loader is None:  # every rank loads its own shard
             from transformers import AutoTokenizer
 
-            from hf_paged.default_model import default_model_path
+            from hf_paged.model.default_model import default_model_path
 
             path = self.model or str(default_model_path())
             tokenizer = AutoTokenizer.from_pretrained(path)

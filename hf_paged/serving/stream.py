@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from hf_paged.detokenizer import DeltaTracker, delta_output
+from hf_paged.engine.detokenizer import DeltaTracker, delta_output
 from hf_paged.outputs import CompletionOutput, RequestOutput
 
 

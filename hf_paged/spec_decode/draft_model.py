@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-from hf_paged import model_patches
+from hf_paged.model import patches as model_patches
 from hf_paged.core.scheduler_output import ScheduledSequence, SchedulerOutput
-from hf_paged.kv_pool import KVPool, copy_blocks, probe_kv_layout
-from hf_paged.model_config import text_config
+from hf_paged.executor.kv_pool import KVPool, copy_blocks, probe_kv_layout
+from hf_paged.model.hf_config import text_config
 
 logger = logging.getLogger(__name__)
 

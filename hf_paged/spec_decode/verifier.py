@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_paged.sampling import Sampler, SeqState
+from hf_paged.sample.sampling import Sampler, SeqState
 
 
 def verify(

@@ -1,7 +1,7 @@
 """Build and load the project's C kernels (``csrc/*.c``) with the host compiler, once per machine.
 
 Each library is compiled on first use with ``$CC`` (else ``cc``/``gcc``/``clang``) and ``-O3 -march=native
--fopenmp`` (``HF_PAGED_ISA=avx2`` / ``avx512``: that level's target instead, :mod:`hf_paged.cpu.isa`) into the user
+-fopenmp`` (``HF_PAGED_ISA=avx2`` / ``avx512``: that level's target instead, :mod:`hf_paged.kernels.cpu.isa`) into the user
 cache dir, keyed by its source, the flags and the CPU, and loaded with ctypes. The
 build is time-limited (``HF_PAGED_CC_TIMEOUT`` seconds, default 120); ``HF_PAGED_NO_NATIVE=1`` turns every
 native kernel off. A library that cannot be built is None, with a one-line reason, and callers keep their
@@ -20,7 +20,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from hf_paged.cpu import isa
+from hf_paged.kernels.cpu import isa
 from hf_paged.env import cache_dir
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hf_paged.core.scheduler_output import BeamUpdate
-from hf_paged.sequence import Sequence
+from hf_paged.core.sequence import Sequence
 from hf_paged.sampling_params import BeamSearchParams, SamplingParams
 from hf_paged.structured_params import CONSTRAINT_ERROR, dead_end_message
 

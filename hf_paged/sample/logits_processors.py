@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from hf_paged.sampling import SeqState
+    from hf_paged.sample.sampling import SeqState
 
 
 def hooked_rows(states: Sequence[SeqState]) -> list[int]:

@@ -14,9 +14,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from hf_paged.detokenizer import StopStringChecker
+from hf_paged.engine.detokenizer import StopStringChecker
 from hf_paged.outputs import CompletionOutput, RequestOutput
-from hf_paged.sequence import Sequence, SequenceStatus
+from hf_paged.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

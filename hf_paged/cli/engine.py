@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from hf_paged.cli_checks import UsageError
+from hf_paged.cli.checks import UsageError
 
 
 def load(args):
-    from hf_paged.default_model import load_default, load_model
+    from hf_paged.model.default_model import load_default, load_model
 
     quantization = getattr(args, "quantization", None)
     try:
@@ -46,7 +46,7 @@ def build_engine(args, **config):
     (the default model's too) and keeps its shard; under torchrun, ranks other than 0 serve as workers here and
     exit when rank 0 is done."""
     from hf_paged import PagedGenerator
-    from hf_paged.default_model import default_model_path
+    from hf_paged.model.default_model import default_model_path
 
     config.update(engine_options(args))
     if config.get("tensor_parallel_size", 1) > 1:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_paged.core.scheduler_output import NewSequenceData
-from hf_paged.cpu import fused_ops
-from hf_paged.logits_processors import apply_logits_processors, hooked_rows
+from hf_paged.kernels.cpu import fused_ops
+from hf_paged.sample.logits_processors import apply_logits_processors, hooked_rows
 from hf_paged.sampling_params import SamplingParams
 
 
@@ -159,7 +159,7 @@ class Sampler:
         """Each row's logits as its request samples from them: ``(processed [N, V] fp32, sampled rows)``.
 
         Stop tokens banned under ``min_tokens``, the repetition penalty, the request's logits processors
-        (:mod:`hf_paged.logits_processors`), and for sampled (non-greedy) rows temperature, top-k, top-p and
+        (:mod:`hf_paged.sample.logits_processors`), and for sampled (non-greedy) rows temperature, top-k, top-p and
         min-p. ``extras[i]``: tokens row i sees after its state's output (the drafts before a verified position). Raises :class:`NonFiniteLogits` for NaN or +inf rows.
         """
         vocab = logits.shape[-1]

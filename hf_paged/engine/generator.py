@@ -1,5 +1,5 @@
 """``PagedGenerator``: request intake, the step loop and batch generation (streams, queued outputs and beam
-search: :mod:`hf_paged.generator_clients`)."""
+search: :mod:`hf_paged.engine.generator_clients`)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,22 @@ from collections import abc
 
 import torch
 
-from hf_paged import model_patches
-from hf_paged.beam_search import BeamSearch
+from hf_paged.model import patches as model_patches
+from hf_paged.engine.beam_search import BeamSearch
 from hf_paged.config import EngineConfig
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
 from hf_paged.core.scheduler_output import SchedulerOutput
-from hf_paged.engine_setup import eos_token_ids, token_ids
+from hf_paged.engine.engine_setup import eos_token_ids, token_ids
 from hf_paged.executor import Executor, make_executor
 from hf_paged.executor.setup import check_speculative
-from hf_paged.generator_clients import GeneratorClients
-from hf_paged.generator_structured import StructuredIntake
-from hf_paged.generator_loading import from_pretrained
-from hf_paged.output_processor import OutputProcessor, RequestState
+from hf_paged.engine.generator_clients import GeneratorClients
+from hf_paged.engine.generator_structured import StructuredIntake
+from hf_paged.engine.generator_loading import from_pretrained
+from hf_paged.engine.output_processor import OutputProcessor, RequestState
 from hf_paged.outputs import EngineStats, RequestOutput
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.sequence import Sequence, SequenceStatus
+from hf_paged.core.sequence import Sequence, SequenceStatus
 from hf_paged.spec_decode.config import SpeculativeConfig
 from hf_paged.spec_decode.speculator import spec_key
 
@@ -102,7 +102,7 @@ class PagedGenerator(GeneratorClients, StructuredIntake):
     # -- what the execution layer chose (read-only views of Executor.describe()) ---------------------
     @property
     def pool(self):
-        """The KV pool (:class:`~hf_paged.kv_pool.KVPool`)."""
+        """The KV pool (:class:`~hf_paged.executor.kv_pool.KVPool`)."""
         return self.executor.describe().pool
 
     @property

@@ -4,9 +4,9 @@ The gather-then-SDPA torch path reads every cached key and value three times per
 gather write, SDPA read); on a memory-bound decode step that is most of the attention time. The C kernel
 in ``csrc/paged_attention_cpu.c`` reads them once, straight from the block pool.
 
-The library is built and loaded by :mod:`hf_paged.cpu.native` (host compiler, cached per machine,
+The library is built and loaded by :mod:`hf_paged.kernels.cpu.native` (host compiler, cached per machine,
 time-limited), and each dtype is probed once with a tiny call checked against the torch path
-(:mod:`hf_paged.cpu.probes`). Without a working compiler, or when the
+(:mod:`hf_paged.kernels.cpu.probes`). Without a working compiler, or when the
 probe fails, :func:`available` is False and callers keep the pure-torch path.
 """
 
@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from hf_paged.cpu import probes
-from hf_paged.cpu.native import NativeLibrary
+from hf_paged.kernels.cpu import probes
+from hf_paged.kernels.cpu.native import NativeLibrary
 
 # query lengths up to this go through the native kernel (decodes, draft verification, short prompts): 16
 # sequences of L keys and L queries, 9 heads of 64, Zen 5, native vs per-sequence SDPA: fp32 L=32 0.38 vs

@@ -2,7 +2,7 @@
 :mod:`hf_paged.cpu.packed_linear`, fp32 everywhere and bf16 on CPUs with AVX-512 BF16.
 
 Layouts, prefetching and measurements: docs/cpu.md. The library is built and loaded by
-:mod:`hf_paged.cpu.native` and probed with the other packings in :mod:`hf_paged.cpu.packed_linear`.
+:mod:`hf_paged.kernels.cpu.native` and probed with the other packings in :mod:`hf_paged.cpu.packed_linear`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from hf_paged.cpu.native import NativeLibrary
+from hf_paged.kernels.cpu.native import NativeLibrary
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 NATIVE_GEMM = NativeLibrary(

@@ -1,4 +1,4 @@
-"""The consuming side of :class:`~hf_paged.generator.PagedGenerator`: batch ``generate``, streams, queued outputs
+"""The consuming side of :class:`~hf_paged.engine.generator.PagedGenerator`: batch ``generate``, streams, queued outputs
 and beam search.
 
 A mixin: these methods drive the engine through its ``step`` and read what the step loop queued per request
@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from hf_paged.beam_search import BeamSearch, BeamSearchOutput
-from hf_paged.engine_setup import as_prompt_list, per_prompt, token_ids
-from hf_paged.detokenizer import DeltaTracker, delta_output
+from hf_paged.engine.beam_search import BeamSearch, BeamSearchOutput
+from hf_paged.engine.engine_setup import as_prompt_list, per_prompt, token_ids
+from hf_paged.engine.detokenizer import DeltaTracker, delta_output
 from hf_paged.outputs import RequestOutput
 from hf_paged.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
-    from hf_paged.generator import Prompt
-    from hf_paged.output_processor import RequestState
+    from hf_paged.engine.generator import Prompt
+    from hf_paged.engine.output_processor import RequestState
 
 
 class GeneratorClients:

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_paged.attention import METADATA_KWARG, KVLayoutProbe
-from hf_paged.attention_layer import AttentionFacts
+from hf_paged.attention.function import METADATA_KWARG, KVLayoutProbe
+from hf_paged.attention.layer import AttentionFacts
 from hf_paged.kernels.kv_quant import check_kv_cache_dtype, row_size
-from hf_paged.model_config import text_config
+from hf_paged.model.hf_config import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class LayerKVSpec:
 
 def probe_kv_layout(model: torch.nn.Module, kv_cache_dtype: str = "auto") -> list[LayerKVSpec]:
     """Run one token through the model to learn every attention layer's K/V shape and dtype (and its
-    attention settings: :class:`~hf_paged.attention_layer.AttentionFacts`).
+    attention settings: :class:`~hf_paged.attention.layer.AttentionFacts`).
 
     Works for any architecture that routes attention through the interface, whatever its config calls
     heads and head sizes. ``kv_cache_dtype`` ("auto" or "int8") is how the pool will store them.

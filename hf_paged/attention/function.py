@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_paged.attention_layer import AttentionFacts
+from hf_paged.attention.layer import AttentionFacts
 
 if TYPE_CHECKING:
-    from hf_paged.attention_backends import StepAttention
-    from hf_paged.attention_layer import AttentionLayers
+    from hf_paged.attention.backends import StepAttention
+    from hf_paged.attention.layer import AttentionLayers
 
 ATTN_IMPLEMENTATION = "hf_paged"
 METADATA_KWARG = "paged_metadata"
@@ -42,8 +42,8 @@ class AttentionMetadata:
 
     Shapes: ``slot_mapping [num_tokens]``, ``block_tables [num_seqs, max_blocks]`` (int32),
     ``seq_lens [num_seqs]``, ``cu_seqlens_q [num_seqs + 1]``. ``layers`` are the engine's attention layer
-    objects (:mod:`hf_paged.attention_layer`: each layer's pool tensors and settings, built at engine start);
-    ``impl`` is the backend's per-step work (:mod:`hf_paged.attention_backends`): which kernels run is
+    objects (:mod:`hf_paged.attention.layer`: each layer's pool tensors and settings, built at engine start);
+    ``impl`` is the backend's per-step work (:mod:`hf_paged.attention.backends`): which kernels run is
     decided there, once, not by flags here.
     """
 
@@ -64,7 +64,7 @@ class KVLayoutProbe:
     ``layers[i] = (num_kv_heads, head_dim, dtype)``, where head_dim is the larger of the key and value
     head sizes (they differ in multi-head latent attention: DeepSeek V2/V3, MiniCPM3), and ``facts[i]`` what
     the layer passes to the attention function (its scaling, window, softcap, head counts), which the
-    engine's :class:`~hf_paged.attention_layer.Attention` objects then hold. It also notes what the paged
+    engine's :class:`~hf_paged.attention.layer.Attention` objects then hold. It also notes what the paged
     kernels cannot serve: attention sinks, and layers that call the attention function more than once per
     forward (each call would overwrite the layer's one KV pool).
     """

@@ -2,8 +2,8 @@
 
 RMSNorm (optionally after the residual add) and rotary embedding of q and k in place, each one C call and
 one pass over the rows where the torch code takes several ops and their Python dispatch; and the row argmax of
-greedy sampling (probed on its own, ``sampling.argmax``). Built by :mod:`hf_paged.cpu.native` with ``-ffp-contract=off`` and rounded op by op like the
-torch code they replace; each dtype is probed once against that torch code (:mod:`hf_paged.cpu.probes`)
+greedy sampling (probed on its own, ``sampling.argmax``). Built by :mod:`hf_paged.kernels.cpu.native` with ``-ffp-contract=off`` and rounded op by op like the
+torch code they replace; each dtype is probed once against that torch code (:mod:`hf_paged.kernels.cpu.probes`)
 and :func:`available` is False where the build or the probe fails. Used by :mod:`hf_paged.cpu.fused_layers`.
 """
 
@@ -13,8 +13,8 @@ import ctypes
 
 import torch
 
-from hf_paged.cpu import probes
-from hf_paged.cpu.native import NativeLibrary
+from hf_paged.kernels.cpu import probes
+from hf_paged.kernels.cpu.native import NativeLibrary
 
 PROBE = "layers.fused"
 PROBE_ARGMAX = "sampling.argmax"

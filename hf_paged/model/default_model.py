@@ -99,7 +99,7 @@ def load_default(dtype: torch.dtype | str = torch.float32, device: str | torch.d
         return load_model(str(folder), dtype=dtype, device=device)
     from transformers import AutoConfig, AutoTokenizer
 
-    from hf_paged.hf.gguf_loader import load_gguf
+    from hf_paged.model.gguf_loader import load_gguf
 
     if torch.device(device).type != "cpu":
         raise ValueError(f"quantized=True runs the CPU kernels; got device={device!r}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hf_paged.cpu import isa
+from hf_paged.kernels.cpu import isa
 from hf_paged.env import cache_dir
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_paged import attention
+from hf_paged.attention import function as attention
 
 
 @dataclass

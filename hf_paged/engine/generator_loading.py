@@ -21,7 +21,7 @@ def from_pretrained(cls, path: str, tokenizer=None, dtype: str | torch.dtype = "
     ``torchrun`` the ranks other than 0 serve as workers here until rank 0 closes its engine, then exit with
     status 0: code after this call runs on rank 0 only.
     """
-    from hf_paged.default_model import load_model
+    from hf_paged.model.default_model import load_model
     from hf_paged.executor.multiproc import ModelSource, worker_entry
 
     if tokenizer is None:

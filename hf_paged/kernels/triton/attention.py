@@ -22,9 +22,9 @@ import triton
 
 from hf_paged.kernels.kv_quant import head_dim_of
 
-from hf_paged.kernels.triton_decode import decode_kernel, reduce_splits_kernel
-from hf_paged.kernels.triton_store import store_kv_kernel
-from hf_paged.kernels.triton_varlen import varlen_kernel
+from hf_paged.kernels.triton.decode import decode_kernel, reduce_splits_kernel
+from hf_paged.kernels.triton.store import store_kv_kernel
+from hf_paged.kernels.triton.varlen import varlen_kernel
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)  # int8: rows + scale (kv_quant.py)

@@ -10,7 +10,7 @@ import importlib.util
 import json
 import os
 
-from hf_paged.cli_checks import UsageError
+from hf_paged.cli.checks import UsageError
 
 _REPLICA_ONLY = ("routing", "replica_num_cpus", "autoscaling_config")
 

@@ -22,9 +22,9 @@ from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerationMixin
 
 from hf_paged.core.kv_cache_manager import BlockCopies, cdiv
-from hf_paged.model_config import text_config
+from hf_paged.model.hf_config import text_config
 from hf_paged.core.row_tables import RowTables
-from hf_paged.kv_pool import copy_blocks
+from hf_paged.executor.kv_pool import copy_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class PagedCache(Cache):
 
     Example:
         >>> cache = hf_paged.PagedCache(model, block_size=16)
-        >>> out = model.generate(input_ids, **{hf_paged.cache.CACHE_KWARG: cache}, num_beams=4, max_new_tokens=32)
+        >>> out = model.generate(input_ids, **{hf_paged.hf.cache.CACHE_KWARG: cache}, num_beams=4, max_new_tokens=32)
         >>> cache.check_consistency()
     """
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hf_paged.kernels.triton_common import attend_key_range
+from hf_paged.kernels.triton.common import attend_key_range
 
 
 @triton.jit

@@ -2,8 +2,8 @@
 
 The executor resolves the engine's ``attention_backend`` setting once ("auto" -> "torch", "cpu" or "triton")
 and makes one :class:`AttentionBackend` of it (:func:`make_backend`). Every attention layer object
-(:mod:`hf_paged.attention_layer`) holds it. For each step it plans a :class:`StepAttention` once (gather
-indices, native-kernel arguments) and puts it in the step's :class:`~hf_paged.attention.AttentionMetadata`;
+(:mod:`hf_paged.attention.layer`) holds it. For each step it plans a :class:`StepAttention` once (gather
+indices, native-kernel arguments) and puts it in the step's :class:`~hf_paged.attention.function.AttentionMetadata`;
 each layer's call then runs it. These objects call the concrete kernels of their backend directly: nothing on
 the per-layer path resolves a backend name or probes a device. A padded static step (decode buckets) uses
 :meth:`AttentionBackend.static`, one graph-safe op a layer running the same backend's kernels.
@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_paged.cpu import attention as cpu_attention
+from hf_paged.kernels.cpu import attention as cpu_attention
 from hf_paged.kernels import graph_ops, store_kv_cpu, triton_ops
 from hf_paged.kernels.torch_attention import TorchAttentionPlan, paged_attention_torch, store_kv_torch
 
 if TYPE_CHECKING:
-    from hf_paged.attention import AttentionMetadata
-    from hf_paged.attention_layer import Attention
+    from hf_paged.attention.function import AttentionMetadata
+    from hf_paged.attention.layer import Attention
 
 BACKEND_NAMES = ("torch", "cpu", "triton")
 
@@ -84,7 +84,7 @@ class TritonStepAttention(StepAttention):
     """The Triton store, split-K decode and varlen kernels (CUDA; on CPU only under the interpreter)."""
 
     def __init__(self, ops) -> None:
-        self.ops = ops  # hf_paged.kernels.triton_attention, imported once by the backend
+        self.ops = ops  # hf_paged.kernels.triton.attention, imported once by the backend
 
     def __call__(self, meta, layer, q, k, v, scale, sliding_window, softcap):
         self.ops.store_kv_triton(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)

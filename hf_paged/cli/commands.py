@@ -13,8 +13,8 @@ import os
 import sys
 import time
 
-from hf_paged.cli_engine import build_engine
-from hf_paged.cli_checks import (  # noqa: F401 - _chat_messages re-exported
+from hf_paged.cli.engine import build_engine
+from hf_paged.cli.checks import (  # noqa: F401 - _chat_messages re-exported
     UsageError, _chat_messages, _non_negative_float, _non_negative_int, _positive_int, check_model_folder, check_port,
     read_conversations,
 )
@@ -127,7 +127,7 @@ def _int_list(text: str | None, flag: str) -> list[int] | None:
 
 
 def _served_name(path: str | None) -> str:
-    from hf_paged.default_model import DEFAULT_MODEL_NAME
+    from hf_paged.model.default_model import DEFAULT_MODEL_NAME
 
     return os.path.basename(os.path.normpath(path)) if path else DEFAULT_MODEL_NAME
 
@@ -156,7 +156,7 @@ def _engine_loop(args, max_num_seqs: int):
 
 
 def cmd_serve(args) -> int:
-    from hf_paged import cli_replicas
+    from hf_paged.cli import replicas as cli_replicas
 
     replicas = cli_replicas.wants_replicas(args)
     if replicas:
@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "server")
     serve.add_argument("--exit-grace-seconds", type=_non_negative_float, default=5.0,
                        help="how long a failed server keeps answering 503s before it exits")
-    from hf_paged.cli_replicas import add_replica_args
+    from hf_paged.cli.replicas import add_replica_args
 
     add_replica_args(serve, _positive_int)
     serve.set_defaults(func=cmd_serve)

@@ -1,10 +1,10 @@
 """One engine's attention layers: an :class:`Attention` object per decoder layer, built once at engine start.
 
 When an engine attaches to a model it learns each attention layer's settings from one probe forward
-(:func:`hf_paged.kv_pool.probe_kv_layout`: the scaling, sliding window and softcap the layer's module passes
+(:func:`hf_paged.executor.kv_pool.probe_kv_layout`: the scaling, sliding window and softcap the layer's module passes
 to the attention function, its head counts and sizes) and allocates the layer's KV pool tensors. It then
 builds, per layer, one :class:`Attention` holding all of that and the engine's attention backend object
-(:mod:`hf_paged.attention_backends`, chosen once). The step's :class:`~hf_paged.attention.AttentionMetadata`
+(:mod:`hf_paged.attention.backends`, chosen once). The step's :class:`~hf_paged.attention.function.AttentionMetadata`
 carries the engine's :class:`AttentionLayers`; the registered ``"hf_paged"`` function finds the layer's
 object there by ``layer_idx`` and calls it. Nothing is read from the module, and no backend is chosen, per call.
 
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from hf_paged.attention import AttentionMetadata
-    from hf_paged.attention_backends import AttentionBackend
+    from hf_paged.attention.function import AttentionMetadata
+    from hf_paged.attention.backends import AttentionBackend
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class AttentionLayers(Sequence[Attention]):
 
     @classmethod
     def for_pool(cls, pool, backend: AttentionBackend) -> AttentionLayers:
-        """The layers of a :class:`~hf_paged.kv_pool.KVPool` (its specs carry each layer's settings)."""
+        """The layers of a :class:`~hf_paged.executor.kv_pool.KVPool` (its specs carry each layer's settings)."""
         return cls(pool.kv_caches, [spec.attention for spec in pool.specs], backend)
 
     def __getitem__(self, layer_idx):

@@ -1,0 +1,6 @@
+"""The ``hf-paged`` command line (``commands.py``), its input checks (``checks.py``), the engine it builds
+(``engine.py``), replicas (``replicas.py``). ``python -m hf_paged.cli`` runs it."""
+
+from hf_paged.cli.commands import build_parser, entry, main
+
+__all__ = ["build_parser", "entry", "main"]

@@ -1,0 +1,5 @@
+import sys
+
+from hf_paged.cli.commands import entry
+
+sys.exit(entry())

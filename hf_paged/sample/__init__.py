@@ -1,0 +1,1 @@
+"""Token selection: the sampler, penalties, logprobs, per-request logits processors."""
