@@ -9,7 +9,7 @@ from typing import Any
 from hf_paged.kernels.cpu import isa
 from hf_paged.core.prefill_pacer import check_max_itl_ratio
 from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, check_long_prefill_token_threshold
-from hf_paged.kernels import BACKENDS
+from hf_paged.kernels.ops import BACKENDS
 from hf_paged.kernels.kv_quant import check_kv_cache_dtype
 from hf_paged.cpu.packed_linear import KIND_NAMES as PACKING_KIND_NAMES
 from hf_paged.cpu.packed_linear import KINDS as PACKING_KINDS

@@ -106,7 +106,7 @@ def kernel_choices(dtype: torch.dtype, device: str = "cpu") -> dict[str, str]:
     """The linear and attention kernels the engine uses for ``dtype`` on ``device``, each with its reason."""
     from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops
     from hf_paged.cpu import packed_linear
-    from hf_paged.kernels import resolve_backend
+    from hf_paged.kernels.ops import resolve_backend
 
     if device == "cuda":
         backend = resolve_backend("auto", torch.device("cuda"), dtype)

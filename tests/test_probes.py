@@ -10,11 +10,18 @@ import torch
 from hf_paged import PagedGenerator, SamplingParams
 from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops, probes
 from hf_paged.cpu import packed_linear
-from hf_paged.kernels import reset_fast_paths
 from tests.helpers import make_model, make_prompts, stock_greedy
 
 PROMPTS = make_prompts(4, [1, 9, 40, 70], seed=3)
 NEW = 12
+
+
+def reset_fast_paths() -> None:
+    """Forget every probe result, timing and loaded native library: the next use probes afresh."""
+    probes.reset()
+    packed_linear.reset()
+    cpu_attention.reset()
+    fused_ops.reset()
 
 
 @pytest.fixture(autouse=True)

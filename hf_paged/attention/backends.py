@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_paged.kernels.cpu import attention as cpu_attention
-from hf_paged.kernels import graph_ops, store_kv_cpu, triton_ops
+from hf_paged.kernels import graph_ops
+from hf_paged.kernels.ops import store_kv_cpu, triton_ops
 from hf_paged.kernels.torch_attention import TorchAttentionPlan, paged_attention_torch, store_kv_torch
 
 if TYPE_CHECKING:

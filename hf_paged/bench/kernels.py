@@ -104,7 +104,7 @@ def _make_pool(torch, args, seq_lens: list[int], q_lens: list[int], dtype):
 
 
 def _runners(torch, args, query, k_cache, v_cache, block_tables, seq_lens, cu, max_q, max_k):
-    from hf_paged.kernels import TorchAttentionPlan, paged_attention
+    from hf_paged.kernels.ops import TorchAttentionPlan, paged_attention
     from hf_paged.kernels.triton import attention as ta
 
     scale = args.head_dim**-0.5

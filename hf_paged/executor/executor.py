@@ -34,7 +34,7 @@ from hf_paged.executor.model_runner import ModelRunner
 from hf_paged.executor.setup import (
     build_pool, make_fast_runner, make_proposer, maybe_fuse, maybe_prepack, maybe_quantize, release_model,
 )
-from hf_paged.kernels import resolve_backend
+from hf_paged.kernels.ops import resolve_backend
 from hf_paged.executor.kv_pool import KVPool
 from hf_paged.sample.sampling import Sampler
 

@@ -5,8 +5,8 @@ gather write, SDPA read); on a memory-bound decode step that is most of the atte
 in ``csrc/paged_attention_cpu.c`` reads them once, straight from the block pool.
 
 The library is built and loaded by :mod:`hf_paged.kernels.cpu.native` (host compiler, cached per machine,
-time-limited), and each dtype is probed once with a tiny call checked against the torch path
-(:mod:`hf_paged.kernels.cpu.probes`). Without a working compiler, or when the
+time-limited), and each dtype is probed once (:mod:`hf_paged.kernels.cpu.probes`) with a tiny call checked
+against the readable reference (:mod:`hf_paged.kernels.reference`). Without a working compiler, or when the
 probe fails, :func:`available` is False and callers keep the pure-torch path.
 """
 
@@ -19,6 +19,8 @@ import torch
 
 from hf_paged.kernels.cpu import probes
 from hf_paged.kernels.cpu.native import NativeLibrary
+from hf_paged.kernels.kv_quant import quantize_rows
+from hf_paged.kernels.reference import paged_attention_reference
 
 # query lengths up to this go through the native kernel (decodes, draft verification, short prompts): 16
 # sequences of L keys and L queries, 9 heads of 64, Zen 5, native vs per-sequence SDPA: fp32 L=32 0.38 vs
@@ -61,14 +63,12 @@ def unavailable_reason(dtype: torch.dtype = torch.float32) -> str:
 
 
 def _probe(dtype: torch.dtype) -> None:
-    """A tiny decode + short-query step (GQA 2:1, two blocks, a sliding window) against the torch path; for
+    """A tiny decode + short-query step (GQA 2:1, two blocks, a sliding window) against the reference; for
     int8, fp32, bf16 and fp16 queries over an int8 pool written by both stores (agreeing byte for byte)."""
     if dtype not in KV_DTYPE_CODES:
         raise NotImplementedError(f"the native kernel takes {sorted(str(d) for d in KV_DTYPE_CODES)}, not {dtype}")
     if load() is None:
         raise RuntimeError(LIBRARY.why or "the native kernel could not be built")
-    from hf_paged.kernels.torch_attention import paged_attention_torch
-
     for qdtype in _DTYPES if dtype == torch.int8 else (dtype,):
         g = torch.Generator().manual_seed(0)
         block_size, kvh, heads, dim = 4, 2, 4, 16
@@ -81,7 +81,7 @@ def _probe(dtype: torch.dtype) -> None:
         cu = torch.tensor([0, 1, 4], dtype=torch.int32)
         query = torch.randn(4, heads, dim, generator=g).to(qdtype)
         for window in (None, 5):
-            want = paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu, 3, 11, 0.25, window)
+            want = paged_attention_reference(query, k_cache, v_cache, block_tables, seq_lens, cu, 3, 11, 0.25, window)
             out = torch.zeros_like(query)
             paged_attention_native(
                 query, k_cache, v_cache, block_tables, seq_lens, cu, torch.tensor([0, 1], dtype=torch.int32), out,
@@ -92,8 +92,6 @@ def _probe(dtype: torch.dtype) -> None:
 
 def _probe_store_int8(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The float pool ``k``/``v`` stored into an int8 pool by the native store, checked against the torch one."""
-    from hf_paged.kernels.kv_quant import quantize_rows  # (hf_paged.kernels imports this module)
-
     shape = (*k.shape[:3], k.shape[3] + 4)
     k_cache, v_cache = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
     slots = torch.arange(k.shape[0] * k.shape[1])
