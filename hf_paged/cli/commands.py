@@ -85,7 +85,7 @@ def cmd_batch(args) -> int:
 
 
 def cmd_env(args) -> int:
-    from hf_paged.env import collect, format_report
+    from hf_paged.cli.env_report import collect, format_report
 
     info = collect()
     print(json.dumps(info, indent=2) if args.json else format_report(info))
