@@ -12,7 +12,6 @@ from hf_paged.bench.baselines import hf_generate_batch, hf_padded_generate
 from hf_paged.bench.common import (
     SystemResult, best_of, compute_params, load_chat_messages, matmul_flops, print_report,
 )
-from hf_paged.bench.serve import serve
 from hf_paged.model.default_model import load_default, parse_dtype
 from hf_paged.engine.engine_setup import token_id_list
 
@@ -359,6 +358,12 @@ def _replicas(**kw):
     return replicas(**kw)
 
 
+def _serve(**kw):
+    from hf_paged.bench.serve import serve
+
+    return serve(**kw)
+
+
 def _host(**kw):
     from hf_paged.bench.host import host
 
@@ -366,6 +371,6 @@ def _host(**kw):
 
 
 WORKLOADS = {
-    "chat": chat, "mixed": mixed, "latency": latency, "prefix": prefix, "spec": _spec, "serve": serve, "host": _host,
+    "chat": chat, "mixed": mixed, "latency": latency, "prefix": prefix, "spec": _spec, "serve": _serve, "host": _host,
     "arrival": _arrival, "structured": _structured, "replicas": _replicas,
 }

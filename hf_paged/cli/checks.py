@@ -52,7 +52,7 @@ def _chat_messages(messages) -> list[dict]:
 def read_conversations(path: str) -> list[list[dict]]:
     if not os.path.isfile(path):
         raise UsageError(f"{path!r}: no such file")
-    from hf_paged.serving.protocol import APIError
+    from hf_paged.serving.api_error import APIError
 
     conversations = []
     with open(path) as f:

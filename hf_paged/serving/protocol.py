@@ -14,27 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hf_paged.sampling_params import MAX_SEED, SamplingParams
+from hf_paged.serving.api_error import APIError
 from hf_paged.serving.request_fields import check_unhonoured
 from hf_paged.serving.structured import ToolMode, parse_structured, template_takes_tools
 
 MAX_LOGPROBS = 20
 MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a request body; OpenAI's requests need a handful
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.type = type
-        self.code = code
-
-    def to_dict(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass

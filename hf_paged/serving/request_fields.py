@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_paged.serving.api_error import APIError
+
 # field -> the values that change nothing (anything else is a 400)
 _BOTH: dict[str, tuple] = {
     "use_beam_search": (None, False),
@@ -45,8 +47,6 @@ _CHAT: dict[str, tuple] = {
 
 def check_unhonoured(body: dict[str, Any], kind: str) -> None:
     """Raise a 400 (``APIError``) naming the first field that would change the output and is not honoured."""
-    from hf_paged.serving.protocol import APIError
-
     table = {**_BOTH, **_CHAT} if kind == "chat" else _BOTH
     for name, neutral in table.items():
         if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in neutral):

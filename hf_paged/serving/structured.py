@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_paged.serving.api_error import APIError
 from hf_paged.structured_params import CONSTRAINT_ERROR, KINDS, StructuredOutputsParams
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
@@ -30,8 +31,6 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 
 
 def _error(message: str, param: str, code: str | None = None):
-    from hf_paged.serving.protocol import APIError
-
     return APIError(message, param=param, code=code)
 
 
@@ -250,8 +249,6 @@ def compile_grammar(engine, parsed, cancel=None, cached_only: bool = False):
     """Compile a parsed request's grammar (call it off the event loop: the server's compile thread; with
     ``cached_only``, on a request thread, it only sets a cached grammar); its errors are 400s naming the field
     that asked for the constraint. ``cancel``: a ``threading.Event`` that stops the compile when set."""
-    from hf_paged.serving.protocol import APIError
-
     prepare = getattr(getattr(engine, "engine", None), "prepare_structured", None)
     if parsed.params.structured_outputs is None or prepare is None:
         return parsed
@@ -270,8 +267,6 @@ def compile_grammar(engine, parsed, cancel=None, cached_only: bool = False):
 def generation_error(parsed, message: str | None):
     """The APIError of a request that failed while generating: a 400 naming the constraint's field when its
     constraint turned out to admit no output, else a 500."""
-    from hf_paged.serving.protocol import APIError
-
     if message and message.startswith(CONSTRAINT_ERROR):
         return APIError(message, 400, param=parsed.structured_param)
     return APIError(message or "generation failed", 500, type="server_error")
