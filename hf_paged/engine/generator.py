@@ -18,7 +18,8 @@ from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.scheduler import Scheduler
 from hf_paged.core.scheduler_output import SchedulerOutput
 from hf_paged.engine.engine_setup import eos_token_ids, token_ids
-from hf_paged.executor import Executor, make_executor
+from hf_paged.executor.executor import Executor
+from hf_paged.executor.factory import make_executor
 from hf_paged.executor.setup import check_speculative
 from hf_paged.engine.generator_clients import GeneratorClients
 from hf_paged.engine.generator_structured import StructuredIntake
