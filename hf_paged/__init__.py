@@ -6,7 +6,11 @@ torch nor transformers.
 
 import importlib
 
+from hf_paged import _moved
 from hf_paged.kernels.cpu import isa as _isa
+
+# the old module paths (hf_paged.generator, hf_paged.cpu.attention, ...) keep working one release, with a warning
+_moved.install()
 
 # HF_PAGED_ISA=avx2 (or avx512) caps torch's own CPU kernels too; torch reads the caps at its first kernel call.
 _isa.apply_torch_caps()
