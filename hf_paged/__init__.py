@@ -9,7 +9,7 @@ import importlib
 from hf_paged import _moved
 from hf_paged.kernels.cpu import isa as _isa
 
-# the old module paths (hf_paged.generator, hf_paged.cpu.attention, ...) keep working one release, with a warning
+# the module paths from before the layout by layer keep working one release, with a warning (_moved.py)
 _moved.install()
 
 # HF_PAGED_ISA=avx2 (or avx512) caps torch's own CPU kernels too; torch reads the caps at its first kernel call.
