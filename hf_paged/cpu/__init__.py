@@ -1,11 +1,11 @@
-"""The CPU backend: everything that makes the CPU path fast, probed on the host before use.
+"""The CPU model layers and the native decode program (the kernels they call live in ``hf_paged/kernels/cpu/``).
 
-- ``attention.py``: the native paged attention and KV store (``csrc/paged_attention_cpu.c``), ``NativeStep``.
-- ``fused_ops.py``, ``fused_layers.py``: the fused Llama/Mistral/Qwen2 decoder-layer forward and its kernels.
-- ``packed_linear.py``, ``packed_model.py``, ``native_gemm.py``: packed linear weights (our own GEMM, oneDNN,
-  MKL) and the choice between them, timed on the host.
-- ``native_program.py``, ``program_fit.py``: the native decode program (a step's C kernel calls recorded once
-  and replayed), and which models fit it.
-- ``native.py``: builds the C sources in ``csrc/`` with the host compiler; ``probes.py``: every fast path is tried
-  once per process and dtype against plain torch before the engine uses it.
+- ``fused_layers.py``: the fused Llama/Mistral/Qwen2 decoder-layer forward (its kernels: ``kernels/cpu/fused_ops.py``).
+- ``packed_linear.py``, ``packed_model.py``: packed linear weights (our own GEMM in ``kernels/cpu/native_gemm.py``,
+  oneDNN, MKL) and the choice between them, timed on the host.
+- ``quant_linear.py``, ``quant_formats.py``, ``quantize_model.py``, ``quant_modes.py``: quantized linears.
+- ``native_program.py``, ``program_fit.py``, ``quant_program.py``: the native decode program (a step's C kernel
+  calls recorded once and replayed), and which models fit it.
+
+These files are being rewritten as owned layers (``model/layers/``) and step runners (``executor/``).
 """
