@@ -38,7 +38,6 @@ import torch.multiprocessing as mp
 from hf_paged.config import EngineConfig
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from hf_paged.executor.executor import Executor, ExecutorSetup, UniProcExecutor
-from hf_paged.executor.factory import make_executor  # noqa: F401 - its old home, still importable
 from hf_paged.executor.process_group import (  # noqa: F401 - TensorParallelError re-exported
     TensorParallelError, die_with_parent, free_port, init_group, launched, rank_places,
 )
