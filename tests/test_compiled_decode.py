@@ -228,18 +228,24 @@ def _cache_counts(counters) -> dict[str, int]:
     return {"hit": c["fxgraph_cache_hit"], "miss": c["fxgraph_cache_miss"]}
 
 
-def test_a_model_that_cannot_compile_falls_back_to_eager_with_one_warning(monkeypatch, caplog):
-    def broken(*args, **kwargs):
-        raise RuntimeError("no C++ compiler on this machine")
-
-    monkeypatch.setattr(torch, "compile", broken)
+def _bucket_engine_and_eager_tokens(mode: str):
+    """Three prompts, their eager tokens (7 each) and an engine of decode buckets [2, 4] in ``mode``."""
     model = make_model("llama", seed=3)
     prompts = make_prompts(3, seed=6)
     eager = PagedGenerator(model, enforce_eager=True, block_size=4, num_blocks=256)
     want = run(eager, prompts, [7, 7, 7])
     eager.close()
-    engine = PagedGenerator(model, decode_runner="inductor", decode_buckets=[2, 4], max_num_seqs=4, block_size=4,
+    engine = PagedGenerator(model, decode_runner=mode, decode_buckets=[2, 4], max_num_seqs=4, block_size=4,
                             num_blocks=256)
+    return prompts, want, engine
+
+
+def test_a_model_that_cannot_compile_falls_back_to_eager_with_one_warning(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler on this machine")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    prompts, want, engine = _bucket_engine_and_eager_tokens("inductor")
     with caplog.at_level(logging.WARNING, logger="hf_paged.executor.decode_buckets"):
         assert run(engine, prompts, [7, 7, 7]) == want
     warnings = [r for r in caplog.records if r.name == "hf_paged.executor.decode_buckets"]
@@ -251,13 +257,7 @@ def test_a_model_that_cannot_compile_falls_back_to_eager_with_one_warning(monkey
 def test_buckets_stop_everywhere_when_another_rank_could_not_build_one():
     """Under tensor parallelism the ranks agree whether a bucket was built (a padded step and an eager one run
     collectives of different sizes): here the other ranks said no, so this one decodes eagerly too."""
-    model = make_model("llama", seed=3)
-    prompts = make_prompts(3, seed=6)
-    eager = PagedGenerator(model, enforce_eager=True, block_size=4, num_blocks=256)
-    want = run(eager, prompts, [7, 7, 7])
-    eager.close()
-    engine = PagedGenerator(model, decode_runner="static", decode_buckets=[2, 4], max_num_seqs=4, block_size=4,
-                            num_blocks=256)
+    prompts, want, engine = _bucket_engine_and_eager_tokens("static")
     votes = []
     engine.executor.runner.fast.agree = lambda ok: votes.append(ok) or 0  # as the MIN all-reduce over the ranks
     assert run(engine, prompts, [7, 7, 7]) == want
