@@ -11,7 +11,8 @@ from tests.helpers import make_model
 
 # files that still spell the idiom inline, owned by work in progress elsewhere (the attention side, tensor
 # parallelism); they may drop it, never add more
-INLINE_ALLOWED = {"hf_paged/attention/function.py", "hf_paged/executor/tensor_parallel.py"}
+# attention/ sits below model/ in the layer table, so it keeps its own line rather than import model/hf_config
+INLINE_ALLOWED = {"hf_paged/attention/function.py"}
 
 
 def test_a_multimodal_config_gives_its_text_part():

@@ -27,6 +27,7 @@ import torch
 
 from hf_paged.cpu.quant_formats import BLOCK_BYTES, GROUP
 from hf_paged.cpu.quant_linear import QuantLinear
+from hf_paged.model.hf_config import text_config
 from hf_paged.model.layers.linear import COMM, CommStats, ParallelLinear  # noqa: F401 - COMM re-exported
 
 # the default plan for models whose config carries none (relative to the base model)
@@ -56,11 +57,6 @@ class Shard:
     # module name -> "sum" (row-parallel) or "gather" (the LM head): the linears :func:`parallelize` completes
     reduce: dict[str, str] = field(default_factory=dict)
     vocab: int = 0  # the full vocabulary (the LM head's rows before the split)
-
-
-def text_config(model: torch.nn.Module):
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def tp_plan(model: torch.nn.Module) -> dict[str, str]:
@@ -259,8 +255,7 @@ def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
             slices[f"{head_name}.{leaf}"] = (0, start, start + sliced.out_features)
     reduce[head_name] = "gather"
     model.config.tie_word_embeddings = False  # never re-tie the slice to the full embedding
-    if hasattr(model.config, "get_text_config"):
-        model.config.get_text_config().tie_word_embeddings = False
+    text_config(model).tie_word_embeddings = False
     return Shard(rank, world, q1 - q0, k1 - k0, (start, stop), slices, reduce, vocab)
 
 
