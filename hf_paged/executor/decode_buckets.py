@@ -180,7 +180,9 @@ class DecodeBuckets:
     def run(self, step) -> torch.Tensor | None:
         """Logits ``[len(scheduled) * q, V]`` of every real query token (a sequence's rows are consecutive: all
         of them are sampled rows), or None when the step has no bucket or this bucket cannot be built (the
-        buckets are then disabled, with one warning)."""
+        buckets are then disabled, with one warning). Steps that want hidden states are the eager runner's."""
+        if step.hidden_layers:
+            return None
         planned = self.plan(step.scheduled)
         if planned is None:
             return None

@@ -147,6 +147,7 @@ class UniProcExecutor(Executor):
 
     def __init__(self, model: torch.nn.Module, cfg: EngineConfig, agree=None) -> None:
         self.model = model
+        self.cfg = cfg
         self.device = next(model.parameters()).device
         self.linears = self.packed = self.fused = self.quantized = None
         model_patches.acquire_attention(model)
@@ -191,7 +192,7 @@ class UniProcExecutor(Executor):
         self.runner.execute_forward(out)
 
     def add_proposer(self, key: str, spec, announce=None) -> None:
-        self.runner.speculator.add(key, make_proposer(spec, self.runner, self.max_model_len, announce))
+        self.runner.speculator.add(key, make_proposer(spec, self.runner, self.max_model_len, announce, self.cfg))
 
     def has_proposer(self, key: str) -> bool:
         return key in self.runner.speculator.proposers

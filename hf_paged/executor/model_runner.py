@@ -18,7 +18,7 @@ from hf_paged.attention.function import AttentionMetadata
 from hf_paged.attention.layer import AttentionLayers
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SampledLogprobs, ScheduledSequence, SchedulerOutput
 from hf_paged.executor.input_batch import BlockTables, pack_step, table_tensor
-from hf_paged.executor.step_runners import EagerStepRunner, Step, StepInputs, StepRunner
+from hf_paged.executor.step_runners import EagerStepRunner, Step, StepInputs, StepRunner, check_hidden_layers
 from hf_paged.executor.kv_pool import KVPool
 from hf_paged.sample.logits_processors import criteria_stop
 from hf_paged.sample.sampling import Sampler, SeqState
@@ -60,6 +60,8 @@ class ModelRunner:
         self.states: dict[int, SeqState] = {}
         self.structured = StructuredMatchers()  # grammar matchers of structured-output sequences
         self.block_tables = BlockTables() if block_tables is None else block_tables
+        self.hidden_layers: tuple[int, ...] = ()  # decoder layers whose outputs every step captures
+        self.last_hidden: dict[int, torch.Tensor] = {}  # their outputs in the last step, [T, hidden] each
 
     def close(self) -> None:
         """Drop the speculative proposers, the fast step runner (its buffers, graphs, packs) and all state."""
@@ -139,21 +141,30 @@ class ModelRunner:
             sampled=[item for item in scheduled if item.sample],
         )
 
-    def compute_logits(self, step: Step | StepInputs, model: torch.nn.Module | None = None) -> torch.Tensor:
-        """Logits ``[N, V]`` at the sampled rows: a scheduled :class:`Step` on its step runner, or packed
-        ``inputs`` through ``model`` (a draft model) on the eager forward."""
-        if isinstance(step, StepInputs):
-            return self.eager.forward(step, model)
-        runner = self.fast if self.fast is not None and self.fast.accepts(step.scheduled) else self.eager
-        logits = runner.run(step)
-        return self.eager.run(step) if logits is None else logits
+    def capture_hidden(self, hidden_layers: tuple[int, ...]) -> None:
+        """From the next step on, capture the outputs of decoder layers ``hidden_layers`` in every step
+        (:attr:`last_hidden`), on whichever runner serves it: the native program records the copies, decode
+        buckets leave such steps to the eager forward. ``()`` stops."""
+        self.hidden_layers = check_hidden_layers(self.model, tuple(hidden_layers))
+        if hasattr(self.fast, "set_capture"):
+            self.fast.set_capture(self.hidden_layers)
+
+    def compute_logits(self, step: Step, model: torch.nn.Module | None = None, fast: StepRunner | None = None) -> torch.Tensor:
+        """Logits ``[N, V]`` at the sampled rows of ``step``: on the fast runner where it takes the step, else
+        on the eager forward; ``model`` and ``fast``: a draft model and its own fast runner (default: the
+        target's)."""
+        if model is None:
+            fast = self.fast
+        logits = fast.run(step) if fast is not None and fast.accepts(step.scheduled) else None
+        return self.eager.run(step, model) if logits is None else logits
 
     def draft_logits(self, batch: list[ScheduledSequence], attention: AttentionLayers, tables: dict[int, list[int]],
-                     model: torch.nn.Module) -> torch.Tensor:
+                     model: torch.nn.Module, fast: StepRunner | None = None) -> torch.Tensor:
         """A draft step for a proposer (:data:`~hf_paged.spec_decode.draft_model.DraftForward`): ``batch`` packed
-        over ``attention``'s pool with ``tables``, logits ``[N, V]`` at its sampled rows from ``model``'s eager
-        forward."""
-        return self.compute_logits(self.prepare_batch(batch, attention, tables), model)
+        over ``attention``'s pool with ``tables``, logits ``[N, V]`` at its sampled rows from ``model``, on its
+        own fast runner ``fast`` (a native program) where it takes the step, else eagerly."""
+        step = Step(batch, lambda scheduled: self.prepare_batch(scheduled, attention, tables))
+        return self.compute_logits(step, model, fast)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -166,8 +177,9 @@ class ModelRunner:
         self.pool.swap_in(out.swap_in)
         self.pool.copy_blocks(out.block_copies)
         self.speculator.move_blocks(out)
-        step = Step(out.scheduled, self.prepare)
+        step = Step(out.scheduled, self.prepare, self.hidden_layers)
         logits = self.compute_logits(step)
+        self.last_hidden = step.hidden
         if not step.sampled:  # only mid-prompt chunks: the KV is written, no token is sampled
             return ModelRunnerOutput()
         return self.sample(logits, step.sampled)
@@ -183,7 +195,7 @@ class ModelRunner:
         self.pool.swap_out(out.swap_out)
         self.pool.swap_in(out.swap_in)
         self.pool.copy_blocks(out.block_copies)
-        self.compute_logits(Step(out.scheduled, self.prepare))
+        self.compute_logits(Step(out.scheduled, self.prepare, self.hidden_layers))
 
     # -- sampling -----------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, sampled: list[ScheduledSequence]) -> ModelRunnerOutput:

@@ -57,10 +57,14 @@ class DecodeProgram:
         model: A Llama/Mistral/Qwen2 causal LM (checked with :func:`hf_paged.executor.program_fit.why_not`).
         layers: The engine's attention layer objects (their pool tensors and the settings learned at start).
         max_rows: The most tokens a native step can have (``max_num_seqs`` x the longest native query).
+        owner: The model whose packing and fused layers ``model`` runs (a ``self:N`` draft's view runs the
+            target's); ``model`` itself by default.
     """
 
-    def __init__(self, model: torch.nn.Module, layers: AttentionLayers, max_rows: int) -> None:
+    def __init__(self, model: torch.nn.Module, layers: AttentionLayers, max_rows: int,
+                 owner: torch.nn.Module | None = None) -> None:
         self.model = model
+        self.owner = model if owner is None else owner
         self.attention_layers = layers
         self.kv_caches = layers.kv_caches
         self.max_rows = max_rows
@@ -86,12 +90,21 @@ class DecodeProgram:
         self._same_tensors: list = []  # (owner dict, key, tensor, version, address)
         self._scalars: list = []
         self._keep: list = []
+        self.capture: tuple[int, ...] = ()  # decoder layers whose outputs the program copies out (set_capture)
+        self._caps: dict[int, torch.Tensor] = {}
 
     def prepare(self) -> str:
         """Record the program for a first small step now (at engine start); the reason it cannot ("" if it can)."""
         self._record(_MIN_ROWS, _MIN_ROWS)
         self._failures = self._retry_in = 0
         return self.why_not
+
+    def set_capture(self, hidden_layers: tuple[int, ...]) -> None:
+        """Record the program again copying out the outputs of decoder layers ``hidden_layers`` every step (an
+        EAGLE head reads them); ``()`` copies none."""
+        if tuple(hidden_layers) != self.capture:
+            self.capture = tuple(hidden_layers)
+            self.capacity = 0  # the next step records again
 
     # -- per step ----------------------------------------------------------------------------------
     def accepts(self, scheduled) -> bool:
@@ -108,6 +121,8 @@ class DecodeProgram:
         index = inputs.logits_indices
         sampled = index.numel()  # the sampled rows are increasing and distinct: as many as rows is every row
         if native is None or meta.layers.kv_caches is not self.kv_caches or rows > self.max_rows or rows == 0:
+            return None
+        if not set(step.hidden_layers) <= set(self.capture):
             return None
         if rows > self.capacity or sampled > self.logits_capacity or not self._valid():
             if self._retry_in:  # the last recording failed: eager steps until the next try
@@ -147,6 +162,8 @@ class DecodeProgram:
             if rc:  # the kernels return nonzero when they cannot allocate scratch or meet a slot past the pool
                 raise RuntimeError(f"native decode program: {getattr(fn, '__name__', fn)} returned {rc}")
         self.num_runs += 1
+        for i in step.hidden_layers:  # copies: the buffers are the next step's
+            step.hidden[i] = self._caps[i][:rows].clone()
         return self._logits[:sampled]
 
     def _valid(self) -> bool:
@@ -166,14 +183,14 @@ class DecodeProgram:
         for group, pack in self._groups:
             if not group.usable() or group.pack is not pack:
                 return False
-        return model_patches.current(self.model, "packing") is self._packing and not hooks(self._modules)
+        return model_patches.current(self.owner, "packing") is self._packing and not hooks(self._modules)
 
     # -- recording ---------------------------------------------------------------------------------
     def _record(self, capacity: int, logits_capacity: int) -> bool:
         """Build the call list for up to ``capacity`` rows, ``logits_capacity`` of them sampled; False (and the
         eager path) where it cannot."""
-        packing = model_patches.current(self.model, "packing")
-        fused = model_patches.current(self.model, "fused_layers")
+        packing = model_patches.current(self.owner, "packing")
+        fused = model_patches.current(self.owner, "fused_layers")
         why = why_not(self.model, fused, packing) or hooks(skipped_modules(self.model))
         if not why:
             try:  # everything is built aside and installed at the end: a failure leaves no half-new program
@@ -202,8 +219,11 @@ class DecodeProgram:
     def _build(self, capacity: int, logits_capacity: int, packing) -> None:
         model, base = self.model, self.model.model
         layers = list(base.layers)
-        if len(layers) != getattr(model.config, "num_hidden_layers", len(layers)):
-            raise _Unfit("config.num_hidden_layers is not the number of decoder layers")
+        num_hidden = getattr(model.config, "num_hidden_layers", len(layers))
+        if len(layers) > num_hidden:  # (fewer: a self:N draft's view, whose forward runs its N layers too)
+            raise _Unfit("config.num_hidden_layers is less than the number of decoder layers")
+        if any(i >= len(layers) for i in self.capture):
+            raise _Unfit(f"hidden states of layers {self.capture} asked of a model of {len(layers)} layers")
         embed = base.embed_tokens
         dtype = embed.dtype if type(embed) is QuantEmbedding else embed.weight.dtype
         dt = DTYPES[dtype]
@@ -221,7 +241,7 @@ class DecodeProgram:
         seen = [_seen(model._modules, "lm_head"), _seen(base._modules, "embed_tokens"), _seen(base._modules, "norm"),
                 _seen(base._modules, "rotary_emb"), _seen(base._modules, "layers")]
         seen += [_seen(base.layers._modules, k) for k in base.layers._modules]
-        scalars = [(model.config, "num_hidden_layers", len(layers))]
+        scalars = [(model.config, "num_hidden_layers", num_hidden)]
         groups, keep = [], []  # keep: every tensor and pack whose address a call holds
 
         def linear_ops(module: torch.nn.Module, x: torch.Tensor, x_stride: int, y: torch.Tensor) -> list:
@@ -308,6 +328,7 @@ class DecodeProgram:
         head = linear_of(model.lm_head)  # a tensor-parallel shard: its vocabulary rows, gathered on rank 0 after
         local = logits if head is model.lm_head else torch.zeros(logits_capacity, head.out_features, dtype=dtype)
         ops: list = []
+        caps = {i: new(hidden) for i in self.capture}
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             seen += [_seen(layer._modules, k) for k in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")]
@@ -328,6 +349,8 @@ class DecodeProgram:
                 ops.append(norm_op(layer.input_layernorm, X, Hn))
             else:  # this layer's input = the last one's residual + its MLP output, added in the norm's pass
                 ops.append(norm_op(layer.input_layernorm, M, Hn, residual=R, total=X))
+                if i - 1 in caps:  # that sum is layer i - 1's output
+                    ops.append((_Copy(X, caps[i - 1], self._rows), ()))
             qkv_pack, qkv_bias = group_of(attn, QKV)
             if _shape(qkv_pack) != (qkv_w, hidden):
                 raise _Unfit("decoder layers of different projection widths")
@@ -363,6 +386,8 @@ class DecodeProgram:
             ops.append((self._silu_mul, ()))
             ops.extend(linear_ops(mlp.down_proj, GU, 2 * inter, M))
         ops.append((self._final_norm, ()))
+        if len(layers) - 1 in caps:  # the final norm's pass left the last layer's output in X
+            ops.append((_Copy(X, caps[len(layers) - 1], self._rows), ()))
         head_op = len(ops)
         ops.append(gemm_op(*pack_of(head), Hn, hidden, local, rows=self._sampled))
         if head is not model.lm_head:  # every rank's rows of the logits to rank 0
@@ -372,7 +397,7 @@ class DecodeProgram:
                           "qweight" if type(embed) is QuantEmbedding else "weight"))
         # -- all built: install (the KV pools stay referenced by the engine; the buffers and packs by the program)
         self._x, self._r, self._h, self._qkv, self._a, self._o, self._gate_up, self._m = X, R, Hn, QKVb, A, O, GU, M
-        self._logits, self._head_op = logits, head_op
+        self._logits, self._head_op, self._caps = logits, head_op, caps
         self._ops, self._scalars, self._groups, self._keep = ops, scalars, groups, keep
         self._same_objects = [entry[:3] for entry in seen if entry[4] is None]
         self._same_tensors = [entry for entry in seen if entry[4] is not None]
@@ -412,6 +437,19 @@ class _Linear:
     def __call__(self) -> None:
         n = self.rows.value
         self.y[:n].copy_(self.pack.linear(self.x[:n, : self.in_features], self.bias))
+
+
+class _Copy:
+    """``dst[:rows] = src[:rows]``: a decoder layer's output copied out of the residual buffer."""
+
+    __name__ = "copy"
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, rows: ctypes.c_int) -> None:
+        self.src, self.dst, self.rows = src, dst, rows
+
+    def __call__(self) -> None:
+        n = self.rows.value
+        self.dst[:n].copy_(self.src[:n])
 
 
 class _Finish:

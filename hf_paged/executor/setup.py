@@ -205,17 +205,58 @@ def check_speculative(spec) -> None:
             raise ValueError(f"speculative_config model {spec.model!r}: no such folder (give a model, a folder or 'self:N')")
 
 
-def make_proposer(spec, runner, max_model_len: int, announce=None):
+def make_proposer(spec, runner, max_model_len: int, announce=None, cfg: EngineConfig | None = None):
     """The proposer a :class:`~hf_paged.spec_decode.SpeculativeConfig` asks for (``announce``: see
-    :class:`~hf_paged.spec_decode.draft_model.DraftModelProposer`)."""
+    :class:`~hf_paged.spec_decode.draft_model.DraftModelProposer`). Where the target runs the native decode
+    program, a draft model gets one too (``cfg``: the engine's settings for the draft's layers)."""
     check_speculative(spec)
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     draft = spec.model
     if isinstance(draft, str) and spec.self_draft_layers is None:
         draft, _ = load_model(draft, dtype=next(runner.model.parameters()).dtype, device=runner.device)
+    fast = None
+    if isinstance(runner.fast, DecodeProgram) and announce is None and cfg is not None:
+        owner = None if spec.self_draft_layers is None else runner.model  # self:N runs the target's layers
+        fast = lambda model, layers: draft_program(model, layers, cfg, runner.fast.max_rows, owner)  # noqa: E731
     return DraftModelProposer(runner.model, runner.pool, runner.draft_logits, runner.attention_layers,
-                              None if spec.self_draft_layers else draft, spec.self_draft_layers, max_model_len, announce)
+                              None if spec.self_draft_layers else draft, spec.self_draft_layers, max_model_len, announce,
+                              fast)
+
+
+def draft_program(model: torch.nn.Module, layers: AttentionLayers, cfg: EngineConfig, max_rows: int,
+                  owner: torch.nn.Module | None):
+    """A draft model's native decode program over its attention ``layers`` and the function giving back what it
+    took, or ``(None, that function)`` where the draft does not fit the program (its steps then run eagerly).
+
+    ``owner``: None for a draft model of its own, which gets the target's kinds of layer objects first (linear
+    layers, packing, fused decoder layers); the target for a ``self:N`` draft, a view of the target's own first
+    layers (already made)."""
+    held: list[str] = []
+
+    def give_back() -> None:
+        for name in reversed(held):
+            model_patches.release(model, name)
+        held.clear()
+
+    try:
+        if owner is None:
+            device = next(model.parameters()).device
+            for name, make in (("linears", lambda: own_linears(model)), ("packing", lambda: maybe_prepack(model, cfg, device)),
+                               ("fused_layers", lambda: maybe_fuse(model, cfg, device, next(model.parameters()).dtype))):
+                if make() is not None:
+                    held.append(name)
+        program = DecodeProgram(model, layers, max_rows, owner)
+        patched = model if owner is None else owner
+        why = why_not(model, model_patches.current(patched, "fused_layers"), model_patches.current(patched, "packing"))
+        why = why or program.prepare()
+    except BaseException:
+        give_back()
+        raise
+    if why:
+        logger.info("draft model steps run eagerly (no native decode program: %s)", why)
+        return None, give_back
+    return program, give_back
 
 
 def max_positions(model: torch.nn.Module) -> int | None:

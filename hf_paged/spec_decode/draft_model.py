@@ -63,9 +63,12 @@ def _shallow(module: torch.nn.Module) -> torch.nn.Module:
     return copy
 
 
-# (batch, attention layers, tables, model) -> logits [N, V] at the batch's sampled rows: the batch packed over
-# those layers' KV pool with those block tables (seq id -> block ids) and run eagerly through ``model``
-DraftForward = Callable[[list[ScheduledSequence], object, dict[int, list[int]], torch.nn.Module], torch.Tensor]
+# (batch, attention layers, tables, model, fast runner) -> logits [N, V] at the batch's sampled rows: the batch
+# packed over those layers' KV pool with those block tables (seq id -> block ids) and run through ``model``, on
+# the fast runner (the draft's native decode program) where it takes the step, else eagerly
+DraftForward = Callable[[list[ScheduledSequence], object, dict[int, list[int]], torch.nn.Module, object], torch.Tensor]
+# (draft model, its attention layers) -> (its fast step runner or None, a function giving back what making it took)
+DraftRunner = Callable[[torch.nn.Module, object], tuple[object, Callable[[], None]]]
 
 
 class DraftModelProposer:
@@ -87,7 +90,7 @@ class DraftModelProposer:
 
     def __init__(self, target: torch.nn.Module, target_pool: KVPool, forward: DraftForward, attention_layers,
                  draft: torch.nn.Module | None, self_layers: int | None, max_model_len: int,
-                 announce=None) -> None:
+                 announce=None, fast_runner: DraftRunner | None = None) -> None:
         self.forward = forward
         self.announce = announce
         self.block_size = target_pool.block_size
@@ -109,12 +112,23 @@ class DraftModelProposer:
             self.kv_caches = self.pool.kv_caches
             logger.info("draft model %s: KV pool of %.1f MiB", type(draft).__name__, self.pool.total_bytes / 2**20)
         self.attention = attention_layers(self.pool)  # its attention layer objects, with the engine's backend
+        self.fast, self._give_back = None, None
+        if fast_runner is not None:  # the draft's own native decode program (its steps are decode-sized too)
+            try:
+                self.fast, self._give_back = fast_runner(self.model, self.attention)
+            except BaseException:
+                self.close()
+                raise
         self.computed: dict[int, int] = {}  # tokens of each sequence whose draft KV is valid
         # forward cost of one drafted token over the target's: the matmul weights each one runs through
         self.relative_cost = matmul_params(self.model) / max(1, matmul_params(target))
         logger.info("draft model costs %.2f of a target forward per token", self.relative_cost)
 
     def close(self) -> None:
+        self.fast = None
+        if self._give_back is not None:
+            self._give_back()
+            self._give_back = None
         if self.pool is not None:
             model_patches.release_attention(self.model)
             self.pool.kv_caches.clear()
@@ -162,7 +176,7 @@ class DraftModelProposer:
     def _greedy(self, batch: list[ScheduledSequence], tables: dict[int, list[int]]) -> list[int]:
         if self.announce is not None:
             self.announce(batch, tables)
-        return self.forward(batch, self.attention, tables, self.model).argmax(dim=-1).tolist()
+        return self.forward(batch, self.attention, tables, self.model, self.fast).argmax(dim=-1).tolist()
 
 
 def _out_rows(head: torch.nn.Module) -> int:
