@@ -203,6 +203,9 @@ class Scheduler(SchedulerUpdate):
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         out.block_copies = self.kv.take_copies()
         out.blocks_high_water = self.kv.pool.high_water
+        if self.kv.tiers is not None:  # KV tiers (core/kv_tiers.py): this step's demotions, promotions, saves
+            self.kv.tiers.plan_saves(self.kv, out, self.sequences)
+            out.tier_moves = self.kv.tiers.take_moves()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
