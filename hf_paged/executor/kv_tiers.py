@@ -180,6 +180,10 @@ class DiskTier:
         parts = self._parse(data, block_hash)
         if parts is None:
             self.files_skipped += 1
+            try:
+                path.unlink()  # never a good file: the block is recomputed and written again
+            except OSError:
+                pass
             if not self._warned_skip:
                 self._warned_skip = True
                 logger.warning("prefix cache: skipped an unusable file %s (torn, truncated, foreign or corrupt); "
