@@ -302,3 +302,25 @@ def test_bad_tier_settings_are_value_errors(kw, match):
         EngineConfig(**kw)
     with pytest.raises(TypeError, match="prefix_cache_dir"):
         EngineConfig(prefix_cache_dir=os.sep.encode())
+
+
+def test_server_restart_serves_the_prefix_from_disk_and_counts_it(tmp_path):
+    openai = pytest.importorskip("openai")
+    from tests.serving_helpers import TINY_NAME, default_tokenizer, scrape, serve, tiny_chat_model
+
+    tok = default_tokenizer()
+    model = tiny_chat_model(tok)
+    prompt = "A long shared system prompt about tiers of memory, " * 4
+    answers, metrics = [], []
+    for _ in range(2):  # the second server is a restart on the same folder
+        with serve(model, tok, TINY_NAME, num_blocks=64, block_size=BS, prefix_cache_dir=str(tmp_path)) as (url, loop):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            r = client.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=5, temperature=0)
+            answers.append(r.choices[0].text)
+            loop.call(lambda e: e.executor.kv_tiers.flush()).result(30)
+            metrics.append(scrape(url))
+    assert answers[0] == answers[1]
+    assert metrics[0]["hf_paged:kv_tier_disk_bytes_written_total"] > 0
+    assert metrics[0]["hf_paged:kv_tier_disk_hits_total"] == 0
+    assert metrics[1]["hf_paged:kv_tier_disk_hits_total"] > 0
+    assert metrics[1]["hf_paged:kv_tier_disk_bytes_read_total"] > 0

@@ -83,7 +83,7 @@ def _bytes_per_block(model: torch.nn.Module) -> int:
 
 def prefix_restart(dtype: str = "fp32", prompt_len: int = 1024, **_) -> dict:
     """The ``--restart`` report on the default model."""
-    model = load_default(dtype=parse_dtype(dtype))
+    model, _ = load_default(dtype=parse_dtype(dtype))
     report = tier_ttft(model, prompt_len)
     print(f"\n== hf-paged bench prefix --restart ({dtype}, {prompt_len}-token shared prompt; CPU kernels: "
           f"{isa.describe()}) ==")
