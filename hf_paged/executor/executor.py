@@ -168,7 +168,7 @@ class UniProcExecutor(Executor):
                                     tables, agree)
             self.runner = ModelRunner(model, self.pool, attention, Sampler(self.device, cfg.seed), self.max_model_len,
                                       fast, tables)
-            self.kv_tiers = self.runner.tiers = make_tier_store(model, cfg, self.pool, self.max_model_len)
+            self.kv_tiers = self.runner.tiers = make_tier_store(model, cfg, self.pool, self.max_model_len, agree)
         except BaseException:
             release_model(model, self.packed is not None, self.fused is not None, self.quantized is not None)
             raise

@@ -320,12 +320,15 @@ class TierStore:
         fingerprint: :func:`kv_fingerprint` of this engine (rank).
         max_model_len: With a disk tier and no host tier, the host slots that stage disk reads hold one
             longest prompt.
+        agree: Tensor parallelism: makes the ranks agree on the slot count (every rank runs the same moves).
     """
 
-    def __init__(self, pool: KVPool, cfg: EngineConfig, fingerprint: str, max_model_len: int) -> None:
+    def __init__(self, pool: KVPool, cfg: EngineConfig, fingerprint: str, max_model_len: int, agree=None) -> None:
         slots = int(cfg.kv_offload_gb * GiB) // max(1, pool.bytes_per_block)
         if cfg.prefix_cache_dir is not None:
             slots = max(slots, cdiv(max_model_len, pool.block_size) + 1)
+        if agree is not None:  # tensor parallelism: ranks with more KV heads fit fewer slots; the smallest wins
+            slots = agree(slots)
         self.num_host_slots = slots
         self.host = HostTier(pool, slots, cfg.kv_offload_dtype == "int8")
         self.disk: DiskTier | None = None
@@ -390,7 +393,9 @@ class TierStore:
             self.disk.close()
 
 
-def make_tier_store(model: torch.nn.Module, cfg: EngineConfig, pool: KVPool, max_model_len: int) -> TierStore | None:
+def make_tier_store(
+    model: torch.nn.Module, cfg: EngineConfig, pool: KVPool, max_model_len: int, agree=None
+) -> TierStore | None:
     """The KV tiers' store for this engine (this rank), or None when ``kv_offload_gb`` and ``prefix_cache_dir``
     are both unset. An unwritable folder is a ValueError here, at the engine's start."""
     if not cfg.kv_offload_gb and cfg.prefix_cache_dir is None:
@@ -399,4 +404,4 @@ def make_tier_store(model: torch.nn.Module, cfg: EngineConfig, pool: KVPool, max
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     fingerprint = kv_fingerprint(model, cfg, pool, rank, world) if cfg.prefix_cache_dir is not None else ""
-    return TierStore(pool, cfg, fingerprint, max_model_len)
+    return TierStore(pool, cfg, fingerprint, max_model_len, agree)
