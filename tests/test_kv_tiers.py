@@ -4,8 +4,12 @@ Every engine test checks greedy token ids against stock ``generate`` and against
 that the tier really served the prefix (its hit counters), so a promotion that copied the wrong bytes fails.
 """
 
+import json
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -324,3 +328,24 @@ def test_server_restart_serves_the_prefix_from_disk_and_counts_it(tmp_path):
     assert metrics[0]["hf_paged:kv_tier_disk_hits_total"] == 0
     assert metrics[1]["hf_paged:kv_tier_disk_hits_total"] > 0
     assert metrics[1]["hf_paged:kv_tier_disk_bytes_read_total"] > 0
+
+
+def test_another_process_reads_what_this_one_wrote(model, tmp_path):
+    first, second = prompts_with_shared_prefix()
+    with engine(model, prefix_cache_dir=str(tmp_path)) as e:
+        ids(e, first)
+    script = textwrap.dedent(f"""
+        import json
+        from hf_paged import PagedGenerator, SamplingParams
+        from tests.helpers import make_model
+        with PagedGenerator(make_model(), block_size={BS}, num_blocks=12, max_model_len=48,
+                            prefix_cache_dir={str(tmp_path)!r}) as e:
+            out = e.generate([{second!r}], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+            print(json.dumps([out[0].outputs[0].token_ids, e.stats().kv_tiers["disk_hits"]]))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got, disk_hits = json.loads(run.stdout.strip().splitlines()[-1])
+    assert disk_hits == 7
+    assert got == stock_greedy(model, second, 6)
