@@ -48,6 +48,9 @@ class TokenTierStore:
         self.slots[slot] = list(self.files[block_hash])
         return True
 
+    def read_ahead(self, block_hashes) -> None:
+        assert all(isinstance(h, bytes) for h in block_hashes)  # a real store reads them in the background
+
     def drop_disk(self) -> None:
         self.has_disk = False
 

@@ -48,6 +48,9 @@ class FakeStore:
         self.slots[slot] = self.files[h]
         return True
 
+    def read_ahead(self, hashes):
+        pass
+
     def drop_disk(self):
         self.has_disk = False
 
@@ -140,6 +143,25 @@ def test_a_promotion_evicted_in_the_same_schedule_is_cancelled():
     assert moves.promote == []  # cancelled: a copy into blocks "c" now writes would be stale
     assert [slot for _, slot in moves.demote] == [2, 3]  # b's blocks, evicted by the promotions, are kept
     assert len(tiers.host) == 4 and not tiers.free_slots  # a's copies are still in the host tier
+    kv.check_consistency()
+
+
+def test_a_promotion_pins_its_slot_against_the_demotion_it_causes():
+    """One host slot: promoting from it evicts a pool block whose demotion must not take that slot (found by
+    the block-accounting state machine)."""
+    kv = KVCacheManager(2, BS, enable_prefix_caching=True)
+    store = FakeStore(num_host_slots=1)
+    kv.tiers = tiers = KVTiers(kv.pool, store)
+    pool_tokens: dict = {}
+    a = list(range(10, 15))
+    fill(kv, "a", a[:4], pool_tokens)
+    fill(kv, "b", list(range(60, 68)), pool_tokens)  # a's block goes to slot 0
+    assert list(tiers.host.values()) == [0]
+    cached, _ = kv.find_cached_prefix(a)
+    moves = tiers.take_moves()
+    assert len(cached) == 1 and moves.demote == [] and moves.promote == [(0, cached[0].block_id)]
+    run_moves(kv, store, pool_tokens, moves)
+    assert pool_tokens[cached[0].block_id] == tuple(a[:4])
     kv.check_consistency()
 
 
@@ -349,3 +371,23 @@ def test_another_process_reads_what_this_one_wrote(model, tmp_path):
     got, disk_hits = json.loads(run.stdout.strip().splitlines()[-1])
     assert disk_hits == 7
     assert got == stock_greedy(model, second, 6)
+
+
+def test_disk_blocks_are_read_ahead_while_the_request_waits(model, tmp_path, monkeypatch):
+    first, second = prompts_with_shared_prefix()
+    with engine(model, prefix_cache_dir=str(tmp_path)) as e:
+        ids(e, first)
+    with engine(model, prefix_cache_dir=str(tmp_path)) as e:
+        e.add_request(second, GREEDY)  # the read-ahead starts here, before any step
+        e.executor.kv_tiers.disk.wait_reads()
+
+        def no_reads_on_the_step(*a):
+            raise AssertionError("a disk read on the step's path")
+
+        monkeypatch.setattr(exec_tiers.DiskTier, "read", no_reads_on_the_step)
+        done = []
+        while e.has_unfinished_requests():
+            done += [o for o in e.step() if o.finished]
+        tiers = e.stats().kv_tiers
+    assert done[0].outputs[0].token_ids == stock_greedy(model, second, 6)
+    assert tiers["disk_hits"] == 7 and tiers["disk_blocks_read_ahead"] == 7

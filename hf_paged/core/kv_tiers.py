@@ -44,6 +44,10 @@ class TierStore(Protocol):
     def load(self, block_hash: BlockHash, slot: int) -> bool:
         """Read and verify the file of ``block_hash`` into host ``slot``; False (counted) if it is unusable."""
 
+    def read_ahead(self, block_hashes: list[BlockHash]) -> None:
+        """Start reading (and checking) these blocks' files in the background, in order, up to the first
+        missing one; :meth:`load` then takes them from memory. Never blocks."""
+
     def drop_disk(self) -> None:
         """Stop using the disk tier (the weights changed: its files hold the old weights' KV)."""
 
@@ -145,6 +149,9 @@ class KVTiers:
             self.host[block_hash] = slot
             tier = "disk"
         self.host.move_to_end(block_hash)
+        # pinned before a pool block is taken: that may evict a cached block whose demotion needs a slot,
+        # and it must not be this one
+        self._busy.add(slot)
         held = [b for b in chain if b.ref_cnt == 0]
         self.pool.touch(held)
         try:
@@ -153,13 +160,25 @@ class KVTiers:
             block = self.pool.get_new_blocks(1)[0]
         finally:
             self.pool.free_blocks(reversed(held))  # back to the cached tail, the prefix's head last
-        self._busy.add(slot)
         self.pool.cache_block(block, block_hash, token_ids)
         self._promoted[block.block_id] = len(self.moves.promote)
         self.moves.promote.append((slot, block.block_id))
         self.pool.free_blocks([block])
         self.hits[tier] += 1
         return block
+
+    def read_ahead(self, kv: KVCacheManager, tokens: TokenSource) -> None:
+        """A request arrived: have the store read its prefix's files from disk while it waits (the blocks the
+        pool and the host tier do not hold; its lookup then finds them in memory)."""
+        if not self.store.has_disk or not kv.pool.enable_caching:
+            return
+        wanted = []
+        for i in range((tokens.num_tokens - 1) // kv.block_size):
+            block_hash = chain_hash(kv, tokens, i)
+            if kv.pool.lookup(block_hash) is None and block_hash not in self.host:
+                wanted.append(block_hash)
+        if wanted:
+            self.store.read_ahead(wanted)
 
     # -- saving -----------------------------------------------------------------------------------
     def plan_saves(self, kv: KVCacheManager, out: SchedulerOutput, sequences: dict) -> None:

@@ -159,6 +159,8 @@ class Scheduler(SchedulerUpdate):
         request.max_model_len = self.max_model_len
         self.sequences[request.seq_id] = request
         self.waiting.push(request)
+        if self.kv.tiers is not None:  # start reading its prefix's files now, ahead of its admission
+            self.kv.tiers.read_ahead(self.kv, request)
 
     def abort_request(self, seq_id: int) -> Sequence | None:
         """Finish a sequence as aborted and free its blocks; None if it is unknown or already finished."""

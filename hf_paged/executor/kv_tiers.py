@@ -25,6 +25,7 @@ import logging
 import os
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -161,6 +162,15 @@ class DiskTier:
         self._queue: queue.Queue = queue.Queue(maxsize=4096)
         self._thread = threading.Thread(target=self._writer, name="hf-paged-kv-disk-writer", daemon=True)
         self._thread.start()
+        # read-ahead: blocks read and checked in the background, waiting for the lookup that takes them
+        self.ready: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
+        self._inflight: set[bytes] = set()  # asked for, not read yet (a lookup of one waits for it)
+        self._cond = threading.Condition()
+        self.max_ready = 0  # set by the store: as many blocks as its host tier has slots
+        self.blocks_read_ahead = 0  # blocks a lookup took from the read-ahead (no read on the step's path)
+        self._reads: queue.Queue = queue.Queue()
+        self._reader = threading.Thread(target=self._read_ahead, name="hf-paged-kv-disk-reader", daemon=True)
+        self._reader.start()
 
     def path(self, block_hash: bytes) -> Path:
         name = block_hash.hex()
@@ -218,6 +228,56 @@ class DiskTier:
             parts.append(flat[offset : offset + n].view(dt).reshape(shape))
             offset += n
         return parts
+
+    def read_ahead(self, block_hashes: list[bytes]) -> None:
+        if not self.max_ready:
+            return
+        with self._cond:
+            self._inflight.update(block_hashes)
+        self._reads.put(list(block_hashes))
+
+    def take(self, block_hash: bytes) -> list[torch.Tensor] | None:
+        """The block's parts: from the read-ahead (waiting for it if it is reading this very block), else read
+        now. Each file is read and checked once either way."""
+        with self._cond:
+            self._cond.wait_for(lambda: block_hash not in self._inflight, timeout=60)
+            parts = self.ready.pop(block_hash, None)
+        if parts is not None:
+            self.blocks_read_ahead += 1
+            return parts
+        return self.read(block_hash)
+
+    def _read_ahead(self) -> None:
+        while True:
+            hashes = self._reads.get()
+            try:
+                if hashes is None:
+                    return
+                self._read_chain(hashes)
+            finally:
+                with self._cond:
+                    self._inflight.difference_update(hashes or ())
+                    self._cond.notify_all()
+                self._reads.task_done()
+
+    def _read_chain(self, hashes: list[bytes]) -> None:
+        for block_hash in hashes:
+            with self._cond:
+                known = block_hash in self.ready
+            parts = None if known else self.read(block_hash)
+            with self._cond:
+                if parts is not None:
+                    self.ready[block_hash] = parts
+                    while len(self.ready) > self.max_ready:
+                        self.ready.popitem(last=False)
+                self._inflight.discard(block_hash)
+                self._cond.notify_all()
+            if parts is None and not known:
+                return  # a prefix stops at its first missing block
+
+    def wait_reads(self) -> None:
+        """Wait until every read-ahead asked for so far is done (tests, benchmarks)."""
+        self._reads.join()
 
     # -- writing ----------------------------------------------------------------------------------
     def submit(self, block_hash: bytes, parts: list[torch.Tensor]) -> None:
@@ -298,9 +358,13 @@ class DiskTier:
         self._queue.join()
 
     def close(self) -> None:
+        if self._reader.is_alive():
+            self._reads.put(None)
+            self._reader.join(timeout=60)
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=60)
+        self.ready.clear()
 
 
 def _numel(shape: tuple) -> int:
@@ -336,6 +400,7 @@ class TierStore:
             cap = None if cfg.prefix_cache_disk_gb is None else int(cfg.prefix_cache_disk_gb * GiB)
             layout = [(tuple(t.shape[1:]), t.dtype) for pair in pool.kv_caches for t in pair]
             self.disk = DiskTier(cfg.prefix_cache_dir, fingerprint, cap, layout)
+            self.disk.max_ready = slots
         self.pool = pool
 
     @property
@@ -345,8 +410,12 @@ class TierStore:
     def disk_has(self, block_hash: bytes) -> bool:
         return self.disk is not None and self.disk.has(block_hash)
 
+    def read_ahead(self, block_hashes: list[bytes]) -> None:
+        if self.disk is not None:
+            self.disk.read_ahead(block_hashes)
+
     def load(self, block_hash: bytes, slot: int) -> bool:
-        parts = self.disk.read(block_hash) if self.disk is not None else None
+        parts = self.disk.take(block_hash) if self.disk is not None else None
         if parts is None:
             return False
         self.host.write_slot(slot, parts)
@@ -365,6 +434,7 @@ class TierStore:
             "disk_bytes_read": d.bytes_read if d else 0, "disk_bytes_written": d.bytes_written if d else 0,
             "disk_files_written": d.files_written if d else 0, "disk_files_skipped": d.files_skipped if d else 0,
             "disk_files_evicted": d.files_evicted if d else 0, "disk_writes_dropped": d.writes_dropped if d else 0,
+            "disk_blocks_read_ahead": d.blocks_read_ahead if d else 0,
         }
 
     # -- a step's moves ---------------------------------------------------------------------------
