@@ -20,7 +20,7 @@ from hf_paged.core.block_pool import hash_block_tokens
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.kv_tiers import KVTiers
 from hf_paged.engine.generator import PagedGenerator
-from hf_paged.executor import kv_tiers as exec_tiers
+from hf_paged.executor import kv_disk
 from tests.helpers import make_model, make_prompts, stock_greedy
 
 BS = 4
@@ -269,7 +269,7 @@ def test_disk_full_stops_writing_once_and_serving_goes_on(model, tmp_path, monke
     def full(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(exec_tiers.os, "replace", full)
+    monkeypatch.setattr(kv_disk.os, "replace", full)
     first, second = prompts_with_shared_prefix()
     with engine(model, prefix_cache_dir=str(tmp_path)) as e, caplog.at_level(logging.WARNING):
         assert ids(e, first) == stock_greedy(model, first, 6)
@@ -384,7 +384,7 @@ def test_disk_blocks_are_read_ahead_while_the_request_waits(model, tmp_path, mon
         def no_reads_on_the_step(*a):
             raise AssertionError("a disk read on the step's path")
 
-        monkeypatch.setattr(exec_tiers.DiskTier, "read", no_reads_on_the_step)
+        monkeypatch.setattr(kv_disk.DiskTier, "read", no_reads_on_the_step)
         done = []
         while e.has_unfinished_requests():
             done += [o for o in e.step() if o.finished]

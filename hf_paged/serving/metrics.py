@@ -41,11 +41,12 @@ ENGINE_METRICS = [
     ("kv_tier_disk_bytes_written", "counter", "Bytes written to the disk tier."),
     ("kv_tier_disk_files_skipped", "counter", "Disk-tier files that failed their checks (recomputed, never served)."),
     ("kv_tier_disk_files_evicted", "counter", "Disk-tier files deleted to keep the folder under its cap."),
+    ("kv_tier_disk_blocks_read_ahead", "counter", "Disk-tier blocks read in the background before their lookup."),
 ]
 
 # EngineStats.kv_tiers key of each kv_tier_* metric
 KV_TIER_KEYS = ("host_hits", "disk_hits", "demotions", "host_evictions", "disk_bytes_read", "disk_bytes_written",
-                "disk_files_skipped", "disk_files_evicted")
+                "disk_files_skipped", "disk_files_evicted", "disk_blocks_read_ahead")
 
 LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0]
