@@ -258,6 +258,28 @@ def test_a_different_model_does_not_read_the_files(model, tmp_path):
     assert got == stock_greedy(other, second, 6)
 
 
+def test_changed_weights_drop_the_host_tier_and_turn_the_disk_tier_off(tmp_path):
+    first, second = prompts_with_shared_prefix()
+    m = make_model(seed=7)
+    weight = m.model.layers[0].mlp.down_proj.weight
+    saved = weight.detach().clone()
+    try:
+        with engine(m, kv_offload_gb=0.001, prefix_cache_dir=str(tmp_path)) as e:
+            ids(e, first)
+            evict_all(e)
+            with torch.no_grad():
+                weight.add_(0.05)  # a training step
+            got = ids(e, second)
+            tiers = e.stats().kv_tiers
+            assert e.executor.kv_tiers.disk is None
+        want = stock_greedy(m, second, 6)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    assert got == want
+    assert tiers["host_hits"] == 0 and tiers["disk_hits"] == 0
+
+
 def test_unwritable_folder_is_a_clear_error_at_start(model, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
