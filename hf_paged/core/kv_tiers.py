@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from hf_paged.core.scheduler_output import SchedulerOutput
 
 
+MAX_REMEMBERED_SAVES = 1 << 16
+
+
 class TierStore(Protocol):
     """What the tiers need from the execution layer's store (:class:`hf_paged.executor.kv_tiers.TierStore`)."""
 
@@ -195,6 +198,8 @@ class KVTiers:
             end = (item.start + len(item.token_ids) - item.num_draft_tokens) // bs
             for i in range(item.start // bs, min(end, len(table))):
                 block_hash = chain_hash(kv, seq, i)
+                if len(self._saved) > MAX_REMEMBERED_SAVES:
+                    self._saved.clear()  # only a guard against saving twice before the file exists
                 if block_hash in self._saved or self.store.disk_has(block_hash):
                     self._saved.add(block_hash)
                     continue
