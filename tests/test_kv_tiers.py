@@ -272,6 +272,7 @@ def test_changed_weights_drop_the_host_tier_and_turn_the_disk_tier_off(tmp_path)
             got = ids(e, second)
             tiers = e.stats().kv_tiers
             assert e.executor.kv_tiers.disk is None
+            e.kv_manager.check_consistency()  # every host slot is free or indexed again
         want = stock_greedy(m, second, 6)
     finally:
         with torch.no_grad():

@@ -218,9 +218,9 @@ class KVTiers:
     def reset(self) -> None:
         """The weights changed: nothing in the host tier is valid any more (the disk tier is keyed by a
         fingerprint of the weights taken at start, so the execution layer stops using it)."""
-        for slot in self.host.values():
-            if slot not in self._busy:
-                self.free_slots.append(slot)
+        # every slot is free again: a demotion still queued writes into a slot nobody indexes (and reset runs
+        # between steps, when no promotion is pending)
+        self.free_slots = list(range(self.store.num_host_slots - 1, -1, -1))
         self.host.clear()
         self._saved.clear()
         self.store.drop_disk()
