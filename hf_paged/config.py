@@ -129,6 +129,14 @@ class EngineConfig:
             caller gives up (a server client that disconnects). None (the default) or 0: compile in the engine's
             process with no budget and no way to stop it. ``hf-paged serve`` and ``chat`` set 20 s unless told
             otherwise (``--structured-compile-timeout-s``). See docs/structured_output.md.
+        kv_offload_gb: GiB of host memory for cached prefix blocks evicted from the pool (the host tier; 0: none).
+            A prefix lookup that misses in the pool finds them there and copies them back. See docs/kv_tiers.md.
+        kv_offload_dtype: How the host tier stores blocks: "auto" (the pool's bytes, exact) or "int8" (int8
+            rows with a scale, ~3.8x the blocks of an fp32 pool; a block promoted from it is not bit-exact).
+        prefix_cache_dir: A folder where every computed full block is also written (in the background), keyed
+            by its hash chain and a fingerprint of the model, dtype and layout: a later engine (another process,
+            after a restart) on the same folder reads its prefixes back. None: no disk tier.
+        prefix_cache_disk_gb: Cap on the disk tier's size, least recently used files deleted first (None: no cap).
     """
 
     block_size: int = 16
@@ -159,6 +167,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     quant_activations: str = "float"
     structured_compile_timeout_s: float | None = None
+    kv_offload_gb: float = 0.0
+    kv_offload_dtype: str = "auto"
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_gb: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
@@ -212,6 +224,7 @@ class EngineConfig:
         if timeout is not None and not 0 <= timeout < float("inf"):
             raise ValueError(f"structured_compile_timeout_s must be a finite number of seconds >= 0 (0 or None: no "
                              f"budget), got {timeout!r}")
+        check_kv_tiers(self)
         pw = self.prepack_weights
         if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in PACKING_KINDS)):
             raise ValueError(f"prepack_weights must be None, True, False, {PACKING_KIND_NAMES}, got {self.prepack_weights!r}")
@@ -223,6 +236,25 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine config key(s) {unknown}; allowed: {sorted(allowed)}")
         return cls(**kwargs)
+
+
+KV_OFFLOAD_DTYPES = ("auto", "int8")
+
+
+def check_kv_tiers(cfg: EngineConfig) -> None:
+    """ValueError/TypeError naming a bad KV-tier setting (docs/kv_tiers.md)."""
+    for name in ("kv_offload_gb", "prefix_cache_disk_gb"):
+        value = getattr(cfg, name)
+        if value is None and name == "prefix_cache_disk_gb":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise ValueError(f"{name} must be a finite number of GiB >= 0, got {value!r}")
+    if cfg.kv_offload_dtype not in KV_OFFLOAD_DTYPES:
+        raise ValueError(f"kv_offload_dtype must be one of {KV_OFFLOAD_DTYPES}, got {cfg.kv_offload_dtype!r}")
+    if cfg.prefix_cache_dir is not None and (not isinstance(cfg.prefix_cache_dir, str) or not cfg.prefix_cache_dir):
+        raise TypeError(f"prefix_cache_dir must be a folder path (str) or None, got {cfg.prefix_cache_dir!r}")
+    if (cfg.kv_offload_gb or cfg.prefix_cache_dir is not None) and not cfg.enable_prefix_caching:
+        raise ValueError("kv_offload_gb and prefix_cache_dir keep cached prefixes: they need enable_prefix_caching=True")
 
 
 def _require_int(name: str, value: object, low: int) -> None:

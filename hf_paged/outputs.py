@@ -126,6 +126,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    kv_tiers: dict[str, int] = field(default_factory=dict)  # KV tiers' counters (hits per tier, bytes, evictions)
 
     @classmethod
     def collect(cls, sched, kv, num_finished: int, num_steps: int) -> EngineStats:
@@ -149,6 +150,7 @@ class EngineStats:
             spec_num_draft_tokens=sched.spec_num_draft_tokens,
             spec_num_accepted_tokens=sched.spec_num_accepted_tokens,
             spec_accepted_per_position=list(sched.spec_accepted_per_position),
+            kv_tiers=kv.tiers.stats() if getattr(kv, "tiers", None) is not None else {},
         )
 
     @property

@@ -60,3 +60,13 @@ def test_quantized_system_names_choose_weights_and_kernel_mode():
     args = argparse.Namespace(quantization="int4", quant_activations="bf16", kv_cache_dtype="auto",
                               tensor_parallel_size=1)
     assert engine_options(args) == {"quantization": "int4", "quant_activations": "bf16"}
+
+
+def test_prefix_restart_reports_each_tier_with_its_hits(tmp_path):
+    from hf_paged.bench.kv_tiers import tier_ttft
+    from tests.helpers import make_model
+
+    report = tier_ttft(make_model(), prompt_len=32, folder=str(tmp_path))
+    assert set(report["ratio_to_cold"]) == {"pool", "host", "disk"}
+    assert report["host_hits_blocks"] == 2 and report["disk_hits_blocks"] == 2  # 32 tokens = 2 blocks of 16
+    assert report["disk_files_skipped"] == 0

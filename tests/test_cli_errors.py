@@ -278,3 +278,31 @@ def test_bench_systems_must_be_the_workloads_own(capsys, no_running):
     assert no_running == [(w, {known[w][-1], known[w][0]}) for w in choices if w in known]
     assert main(["bench", "chat"]) == 0 and no_running[-1] == ("chat", None)  # no --systems: its default set
     assert {"tp2", "int4-a8", "eager", "padded"} <= set(known["chat"]) and set(known["replicas"]) == {"pow2", "prefix"}
+
+
+# -- KV tiers ---------------------------------------------------------------------------------------------------
+
+
+def test_kv_tier_flags_reach_the_engine_and_bad_ones_are_one_line(tmp_path, capsys, no_loading):
+    args = cli.build_parser().parse_args(["serve", "--kv-offload-gb", "1.5", "--kv-offload-dtype", "int8",
+                                          "--prefix-cache-dir", str(tmp_path), "--prefix-cache-disk-gb", "2"])
+    assert cli_engine.engine_options(args) == {"kv_offload_gb": 1.5, "kv_offload_dtype": "int8",
+                                               "prefix_cache_dir": str(tmp_path), "prefix_cache_disk_gb": 2.0}
+    assert cli_engine.engine_options(cli.build_parser().parse_args(["serve"])) == {}  # defaults: no tiers
+    assert main(["serve", "--kv-offload-gb", "-1", "--port", "0"]) == 2
+    assert "argument --kv-offload-gb" in one_error_line(capsys)
+    assert main(["generate", "hi", "--kv-offload-dtype", "fp8"]) == 2
+    assert "argument --kv-offload-dtype" in one_error_line(capsys)
+
+
+def test_bench_restart_is_the_prefix_workloads_own(capsys, no_running, monkeypatch):
+    from hf_paged.bench import kv_tiers
+
+    ran = []
+    monkeypatch.setattr(kv_tiers, "prefix_restart", lambda **kw: ran.append(kw))
+    assert main(["bench", "chat", "--restart"]) == 2
+    assert "--restart and --prompt-len apply to the prefix workload, not chat" in one_error_line(capsys)
+    assert main(["bench", "prefix", "--prompt-len", "64"]) == 2
+    assert "--prompt-len applies to prefix --restart" in one_error_line(capsys)
+    assert main(["bench", "prefix", "--restart", "--prompt-len", "64"]) == 0
+    assert ran == [{"dtype": "fp32", "prompt_len": 64}] and not no_running

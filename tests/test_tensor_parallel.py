@@ -529,3 +529,25 @@ def test_auto_activation_mode_is_rank_zeros_pick():
     assert mode in ("float", "int8", "bf16")
     with PagedGenerator(model, num_blocks=80, quantization="int4", quant_activations=mode) as one:
         assert _tokens(one.generate(prompts, GREEDY, use_tqdm=False)) == got
+
+
+def test_host_kv_tier_under_tensor_parallelism():
+    """Every rank demotes and promotes its own KV heads' blocks as rank 0's scheduler says; the prefix comes back
+    from the host tier exactly (fp32), and the disk tier is refused before any process starts."""
+    model = make_model("llama")
+    shared = make_prompts(1, [30], seed=1)[0]
+    first, second = shared + [3, 4, 5], shared + [7, 8]
+    filler = make_prompts(1, [40], seed=5)[0]
+    engine = PagedGenerator(model, tensor_parallel_size=2, num_blocks=12, block_size=4, max_model_len=48,
+                            kv_offload_gb=0.001)
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        got = [_tokens(engine.generate([p], params, use_tqdm=False))[0] for p in (first, filler, second)]
+        tiers = engine.stats().kv_tiers
+        engine.kv_manager.check_consistency()
+    finally:
+        engine.close()
+    assert got[2] == stock_greedy(model, second, 6)
+    assert tiers["host_hits"] >= 7
+    with pytest.raises(NotImplementedError, match="prefix_cache_dir cannot be used with tensor_parallel_size > 1"):
+        PagedGenerator(model, tensor_parallel_size=2, prefix_cache_dir="/tmp")

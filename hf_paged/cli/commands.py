@@ -110,6 +110,15 @@ def cmd_bench(args) -> int:
                  "max_tokens": args.max_tokens}
     elif args.clients is not None or args.requests is not None or args.max_tokens is not None:
         raise UsageError("--clients, --requests and --max-tokens apply to the serve workload only")
+    if (args.restart or args.prompt_len is not None) and args.workload != "prefix":
+        raise UsageError(f"--restart and --prompt-len apply to the prefix workload, not {args.workload}")
+    if args.prompt_len is not None and not args.restart:
+        raise UsageError("--prompt-len applies to prefix --restart")
+    if args.restart:
+        from hf_paged.bench.kv_tiers import prefix_restart
+
+        prefix_restart(dtype=args.dtype, prompt_len=args.prompt_len or 1024)
+        return 0
     WORKLOADS[args.workload](dtype=args.dtype, repeat=args.repeat, systems=systems, **extra)
     return 0
 
@@ -244,6 +253,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="shard the model over N processes (torch.distributed; under torchrun, its WORLD_SIZE); "
                    "docs/tensor_parallel.md")
     _add_kv_cache_dtype(p)
+    _add_kv_tiers(p)
     p.add_argument("--quant-activations", choices=["float", "int8", "bf16", "auto"], default="float",
                    help="quantized linears' kernel mode: float (exact), int8 (activations rounded to int8 per "
                    "block of 32) or bf16 (activations and weights rounded to bf16, AMX tiles: fastest for large "
@@ -255,6 +265,18 @@ def _add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                    help="KV pool storage: auto (the model dtype) or int8 (per token-and-head scales, ~4x the tokens of "
                    "fp32 in the same memory; docs/quantization.md)")
+
+
+def _add_kv_tiers(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-offload-gb", type=_non_negative_float, default=0.0,
+                   help="GiB of host memory that keeps cached prefixes evicted from the KV pool (docs/kv_tiers.md)")
+    p.add_argument("--kv-offload-dtype", choices=["auto", "int8"], default="auto",
+                   help="host tier storage: auto (the pool's bytes, exact) or int8 (more blocks, not bit-exact)")
+    p.add_argument("--prefix-cache-dir", default=None,
+                   help="folder where computed prefix blocks are also written, so a restart (or another replica "
+                   "on the same folder) reads them back (docs/kv_tiers.md)")
+    p.add_argument("--prefix-cache-disk-gb", type=_non_negative_float, default=None,
+                   help="cap on --prefix-cache-dir's size, least recently used files deleted first (default: no cap)")
 
 
 def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -> None:
@@ -327,6 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "eager (hf_paged with enforce_eager=True, for A/B runs); chat and latency also gguf_q4_1, int8, "
                        "int4 (quantized weights; with -a8 or -bf16, e.g. int8-a8: int8 or bf16 activations); chat also tp2, "
                        "tp2-int8, tp2-int4 (tensor_parallel_size=2, float or quantized weights); replicas: pow2,prefix (routings)")
+    bench.add_argument("--restart", action="store_true",
+                       help="prefix: TTFT of a long shared prompt cold, from the pool, the host tier and the disk tier "
+                       "(a new engine on the same folder), instead of the batch run (docs/kv_tiers.md)")
+    bench.add_argument("--prompt-len", type=_positive_int, default=None,
+                       help="prefix --restart: the shared prompt's tokens (default 1024)")
     bench.add_argument("--clients", help="serve: concurrent HTTP clients per level (default 1,16,64)")
     bench.add_argument("--requests", type=_positive_int, help="serve: requests per level (default max(N, 16), "
                        "at most the 64 chat prompts)")

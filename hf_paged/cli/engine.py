@@ -31,6 +31,7 @@ def engine_options(args) -> dict:
     kv = getattr(args, "kv_cache_dtype", "auto")
     if kv != "auto":
         out["kv_cache_dtype"] = kv
+    out.update(tier_options(args))
     tp = getattr(args, "tensor_parallel_size", 1)
     if tp != 1:
         if q == "gguf":
@@ -38,6 +39,18 @@ def engine_options(args) -> dict:
                              "slices from the model folder (use int8 or int4; in Python, PagedGenerator("
                              "hf_paged.load_gguf(path), tensor_parallel_size=N) shards a GGUF model kept quantized)")
         out["tensor_parallel_size"] = tp
+    return out
+
+
+def tier_options(args) -> dict:
+    """Engine keywords of the KV-tier flags (--kv-offload-gb, --kv-offload-dtype, --prefix-cache-dir,
+    --prefix-cache-disk-gb) that differ from their defaults."""
+    out = {}
+    for name, default in (("kv_offload_gb", 0.0), ("kv_offload_dtype", "auto"), ("prefix_cache_dir", None),
+                          ("prefix_cache_disk_gb", None)):
+        value = getattr(args, name, default)
+        if value != default:
+            out[name] = value
     return out
 
 

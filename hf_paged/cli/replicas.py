@@ -89,6 +89,10 @@ def cmd_serve_replicas(args, served_name: str) -> int:
         config["speculative_config"] = args.speculative_config
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         config["kv_cache_dtype"] = args.kv_cache_dtype
+    from hf_paged.cli.engine import tier_options
+
+    # one --prefix-cache-dir for every replica: a replica started later serves a prefix another one computed
+    config.update(tier_options(args))
     if getattr(args, "structured_compile_timeout_s", None) is not None:
         config["structured_compile_timeout_s"] = args.structured_compile_timeout_s
     if args.tensor_parallel_size > 1:  # each replica is a tensor-parallel group

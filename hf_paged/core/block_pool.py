@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 BlockHash = bytes
 
@@ -114,6 +114,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue()
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        # called with a free cached block just before get_new_blocks reuses it (the KV tiers demote it)
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
         # 1 + the largest block id ever handed out: the storage of blocks past it has never been written
         # (never-used blocks leave the free queue in id order, so this is also how many have been used)
         self.high_water = 0
@@ -170,6 +172,8 @@ class BlockPool:
             block = self.free_queue.popleft()
             assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 self._evict(block)
             block.ref_cnt = 1
             if block.block_id >= self.high_water:

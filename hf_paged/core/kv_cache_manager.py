@@ -17,6 +17,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import Protocol
 
 from hf_paged.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from hf_paged.core.kv_tiers import KVTiers
 
 SeqId = Hashable
 BlockCopies = list[tuple[int, int]]
@@ -84,6 +85,7 @@ class KVCacheManager:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found cached
         self.peak_used_blocks = 0
+        self.tiers: KVTiers | None = None  # host and disk tiers below the pool (set by the engine when it has them)
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -156,7 +158,9 @@ class KVCacheManager:
 
         ``tokens`` is a token list, or a sequence (``num_tokens``, ``token_ids(start, end)``, ``block_hashes``)
         whose block hashes are computed once and kept on it. Never covers the last token: at least one token
-        must be computed to get the next token's logits. Changes nothing (see :meth:`allocate_slots`).
+        must be computed to get the next token's logits. Changes nothing (see :meth:`allocate_slots`), except
+        that with KV tiers (:attr:`tiers`) a block found below the pool is promoted into a free cached pool
+        block first.
         """
         if not self.pool.enable_caching:
             return [], []
@@ -168,6 +172,9 @@ class KVCacheManager:
         for i in range((tokens.num_tokens - 1) // self.block_size):
             parent = self._block_hash(tokens, i, parent, extra_keys)
             block = self.pool.lookup(parent)
+            if block is None and self.tiers is not None:
+                bs = self.block_size
+                block = self.tiers.promote(parent, tokens.token_ids(i * bs, (i + 1) * bs), blocks)
             if block is None:
                 break
             blocks.append(block)
@@ -193,6 +200,8 @@ class KVCacheManager:
         blocks.
         """
         self.pool.reset_prefix_cache()
+        if self.tiers is not None:
+            self.tiers.reset()
         for block in list(self.pool.cached.values()):
             self.pool.uncache(block)
         self.hashes.clear()
@@ -395,6 +404,8 @@ class KVCacheManager:
                 assert len({b.block_id for b in table}) == len(table), f"sequence {seq_id!r} holds a block twice"
         self.pool.check_consistency(b.block_id for table in self.tables.values() for b in table)
         self.host_pool.check_consistency(b.block_id for table in self.host_tables.values() for b in table)
+        if self.tiers is not None:
+            self.tiers.check_consistency()
         for seq_id, hashes in self.hashes.items():
             table = self.tables.get(seq_id, ())
             assert len(hashes) <= len(table), f"sequence {seq_id!r} has hashes for blocks it does not hold"

@@ -159,6 +159,8 @@ class Scheduler(SchedulerUpdate):
         request.max_model_len = self.max_model_len
         self.sequences[request.seq_id] = request
         self.waiting.push(request)
+        if self.kv.tiers is not None:  # start reading its prefix's files now, ahead of its admission
+            self.kv.tiers.read_ahead(self.kv, request)
 
     def abort_request(self, seq_id: int) -> Sequence | None:
         """Finish a sequence as aborted and free its blocks; None if it is unknown or already finished."""
@@ -203,6 +205,9 @@ class Scheduler(SchedulerUpdate):
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         out.block_copies = self.kv.take_copies()
         out.blocks_high_water = self.kv.pool.high_water
+        if self.kv.tiers is not None:  # KV tiers (core/kv_tiers.py): this step's demotions, promotions, saves
+            self.kv.tiers.plan_saves(self.kv, out, self.sequences)
+            out.tier_moves = self.kv.tiers.take_moves()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hf_paged.core.kv_tiers import TierMoves
 from hf_paged.sampling_params import SamplingParams
 
 
@@ -63,6 +64,7 @@ class SchedulerOutput:
     swapped_in_seq_ids: list[int] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # since the previous step: forget their state
     blocks_high_water: int = 0  # every block this step reads or writes has a smaller id (pages to commit first)
+    tier_moves: TierMoves | None = None  # KV tiers: demotions first, promotions before the forward, saves after
 
     @property
     def is_empty(self) -> bool:

@@ -15,6 +15,7 @@ from hf_paged.model import patches as model_patches
 from hf_paged.engine.beam_search import BeamSearch
 from hf_paged.config import EngineConfig
 from hf_paged.core.kv_cache_manager import KVCacheManager
+from hf_paged.core.kv_tiers import KVTiers
 from hf_paged.core.scheduler import Scheduler
 from hf_paged.core.scheduler_output import SchedulerOutput
 from hf_paged.engine.engine_setup import eos_token_ids, token_ids
@@ -82,6 +83,8 @@ class PagedGenerator(GeneratorClients, StructuredIntake):
         self.kv_manager = KVCacheManager(
             self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.executor.num_host_blocks
         )
+        if self.executor.kv_tiers is not None:  # host and disk tiers below the pool (docs/kv_tiers.md)
+            self.kv_manager.tiers = KVTiers(self.kv_manager.pool, self.executor.kv_tiers)
         self.scheduler = Scheduler(
             self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
             cfg.enable_chunked_prefill, cfg.scheduling_policy, cfg.preemption_mode,

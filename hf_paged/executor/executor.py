@@ -36,6 +36,7 @@ from hf_paged.executor.setup import (
 )
 from hf_paged.kernels.ops import resolve_backend
 from hf_paged.executor.kv_pool import KVPool
+from hf_paged.executor.kv_tiers import TierStore, make_tier_store
 from hf_paged.sample.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -84,13 +85,15 @@ class Executor(abc.ABC):
             raises.
         comm_seconds: Seconds spent sending steps to other ranks (0 in one process; the all-reduces inside
             the forward are counted by :data:`hf_paged.executor.tensor_parallel.COMM`).
+        kv_tiers: The store of the KV tiers below the pool (host memory, disk folder), or None; the engine
+            hands it to its block manager's :class:`~hf_paged.core.kv_tiers.KVTiers`.
     """
 
     # the names callers may use (tests/test_executor_contract.py holds code outside the package to them)
     CONTRACT = frozenset({
         "model", "max_model_len", "num_blocks", "num_host_blocks", "failure", "comm_seconds",
         "describe", "check_health", "execute_model", "add_proposer", "has_proposer", "weights_changed",
-        "watches_weights", "close",
+        "watches_weights", "close", "kv_tiers",
     })
 
     model: torch.nn.Module
@@ -99,6 +102,7 @@ class Executor(abc.ABC):
     num_host_blocks: int
     failure: str | None = None
     comm_seconds: float = 0.0
+    kv_tiers: TierStore | None = None
 
     @abc.abstractmethod
     def describe(self) -> ExecutorSetup:
@@ -166,6 +170,7 @@ class UniProcExecutor(Executor):
                                     tables, agree)
             self.runner = ModelRunner(model, self.pool, attention, Sampler(self.device, cfg.seed), self.max_model_len,
                                       fast, tables)
+            self.kv_tiers = self.runner.tiers = make_tier_store(model, cfg, self.pool, self.max_model_len, agree)
         except BaseException:
             release_model(model, self._held())
             raise
@@ -184,12 +189,17 @@ class UniProcExecutor(Executor):
         return ExecutorSetup(self.pool, self.backend, self.packed, self.fused, self.quantized)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(out)
+        result = self.runner.execute(out)
+        if self.kv_tiers is not None:
+            self.kv_tiers.save(out.tier_moves)  # the forward completed these blocks: to disk, in the background
+        return result
 
     def execute_forward(self, out: SchedulerOutput) -> None:
         """A tensor-parallel worker rank's step: the block moves and the forward of :meth:`execute_model` (its
         collectives meet rank 0's), without sampling (rank 0 samples)."""
         self.runner.execute_forward(out)
+        if self.kv_tiers is not None:
+            self.kv_tiers.save(out.tier_moves)
 
     def add_proposer(self, key: str, spec, announce=None) -> None:
         self.runner.speculator.add(key, make_proposer(spec, self.runner, self.max_model_len, announce, self.cfg))
@@ -206,6 +216,8 @@ class UniProcExecutor(Executor):
         return isinstance(self.runner.fast, DecodeBuckets)
 
     def close(self) -> None:
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()  # the writer thread writes what is queued first
         self.runner.close()
         self._release()  # once: the finalizer is dead afterwards
         self.linears = self.packed = self.fused = self.quantized = None

@@ -62,6 +62,7 @@ class ModelRunner:
         self.block_tables = BlockTables() if block_tables is None else block_tables
         self.hidden_layers: tuple[int, ...] = ()  # decoder layers whose outputs every step captures
         self.last_hidden: dict[int, torch.Tensor] = {}  # their outputs in the last step, [T, hidden] each
+        self.tiers = None  # the KV tiers' store (executor/kv_tiers.py), when the engine has tiers
 
     def close(self) -> None:
         """Drop the speculative proposers, the fast step runner (its buffers, graphs, packs) and all state."""
@@ -166,16 +167,26 @@ class ModelRunner:
         step = Step(batch, lambda scheduled: self.prepare_batch(scheduled, attention, tables))
         return self.compute_logits(step, model, fast)
 
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        """The step's block moves, in the one safe order: tier demotions read cached blocks before anything
+        reuses them; tier promotions fill fresh blocks after the swaps and copies (an empty step may carry tier
+        moves too: a promotion whose request could not be admitted yet)."""
+        self.pool.commit(out.blocks_high_water)
+        if self.tiers is not None:
+            self.tiers.demote(out.tier_moves)
+        self.pool.swap_out(out.swap_out)
+        self.pool.swap_in(out.swap_in)
+        self.pool.copy_blocks(out.block_copies)
+        if self.tiers is not None:
+            self.tiers.promote(out.tier_moves)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: take the scheduler's diffs, move blocks as scheduled, forward, sample."""
         self.update_states(out)
+        self.move_blocks(out)
         if out.is_empty:
             return ModelRunnerOutput()
-        self.pool.commit(out.blocks_high_water)
-        self.pool.swap_out(out.swap_out)
-        self.pool.swap_in(out.swap_in)
-        self.pool.copy_blocks(out.block_copies)
         self.speculator.move_blocks(out)
         step = Step(out.scheduled, self.prepare, self.hidden_layers)
         logits = self.compute_logits(step)
@@ -189,12 +200,9 @@ class ModelRunner:
         """A tensor-parallel worker's step: the same block moves and forward as :meth:`execute` on rank 0 (its
         collectives meet rank 0's), no sampling."""
         self.update_states(out)
+        self.move_blocks(out)
         if out.is_empty:
             return
-        self.pool.commit(out.blocks_high_water)
-        self.pool.swap_out(out.swap_out)
-        self.pool.swap_in(out.swap_in)
-        self.pool.copy_blocks(out.block_copies)
         self.compute_logits(Step(out.scheduled, self.prepare, self.hidden_layers))
 
     # -- sampling -----------------------------------------------------------------------------------

@@ -61,6 +61,11 @@ def check_config(cfg: EngineConfig) -> None:
     if cfg.decode_runner == "inductor":
         raise ValueError("decode_runner='inductor' cannot be used with tensor_parallel_size > 1: the compiled graph "
                          "would break at every collective; use 'auto', 'native', 'static' or 'cuda_graphs'")
+    if cfg.prefix_cache_dir is not None:
+        # rank 0 reads and checks a prefix's files during its lookup; the other ranks' files would need the
+        # same check on every rank before the scheduler may count the blocks as cached
+        raise NotImplementedError("prefix_cache_dir cannot be used with tensor_parallel_size > 1 yet; the host tier "
+                                  "(kv_offload_gb) works there")
 
 
 @dataclasses.dataclass
@@ -225,6 +230,7 @@ class TensorParallelExecutor(Executor):
         self.max_model_len = self.inner.max_model_len
         self.num_blocks = self.inner.num_blocks
         self.num_host_blocks = self.inner.num_host_blocks
+        self.kv_tiers = self.inner.kv_tiers  # rank 0's; every rank runs the same tier moves on its own host tier
         self.comm_seconds = 0.0  # time spent broadcasting steps (the all-reduces are inside the forward)
         # an engine never closed (a script that just ends) still tells its workers to stop at exit
         self._at_exit = weakref.finalize(self, TensorParallelExecutor._stop_workers, self.processes, True)

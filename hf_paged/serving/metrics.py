@@ -32,7 +32,21 @@ ENGINE_METRICS = [
     ("spec_decode_num_draft_tokens", "counter", "Speculative draft tokens proposed."),
     ("spec_decode_num_accepted_tokens", "counter", "Speculative draft tokens accepted."),
     ("iteration_steps", "counter", "Engine steps run."),
+    # KV tiers below the pool (docs/kv_tiers.md); all 0 without kv_offload_gb / prefix_cache_dir
+    ("kv_tier_host_hits", "counter", "Prefix blocks promoted from the host tier."),
+    ("kv_tier_disk_hits", "counter", "Prefix blocks promoted from the disk tier."),
+    ("kv_tier_demotions", "counter", "Cached blocks evicted from the pool and kept in the host tier."),
+    ("kv_tier_host_evictions", "counter", "Blocks dropped from a full host tier."),
+    ("kv_tier_disk_bytes_read", "counter", "Bytes read from the disk tier."),
+    ("kv_tier_disk_bytes_written", "counter", "Bytes written to the disk tier."),
+    ("kv_tier_disk_files_skipped", "counter", "Disk-tier files that failed their checks (recomputed, never served)."),
+    ("kv_tier_disk_files_evicted", "counter", "Disk-tier files deleted to keep the folder under its cap."),
+    ("kv_tier_disk_blocks_read_ahead", "counter", "Disk-tier blocks read in the background before their lookup."),
 ]
+
+# EngineStats.kv_tiers key of each kv_tier_* metric
+KV_TIER_KEYS = ("host_hits", "disk_hits", "demotions", "host_evictions", "disk_bytes_read", "disk_bytes_written",
+                "disk_files_skipped", "disk_files_evicted", "disk_blocks_read_ahead")
 
 LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0]
@@ -64,6 +78,7 @@ def engine_values(stats: EngineStats, num_waiting: int) -> dict[str, float]:
         "spec_decode_num_draft_tokens": stats.spec_num_draft_tokens,
         "spec_decode_num_accepted_tokens": stats.spec_num_accepted_tokens,
         "iteration_steps": stats.num_steps,
+        **{f"kv_tier_{key}": stats.kv_tiers.get(key, 0) for key in KV_TIER_KEYS},
     }
 
 
