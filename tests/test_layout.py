@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                    # the native decode program is a step runner (its files move with the owned-layers rewrite)
                    "hf_paged.cpu.native_program", "hf_paged.cpu.program_fit")),
     # the CPU model layers (packed, quantized, fused) stay in cpu/ until the owned-layers rewrite moves them
-    ("model", ("hf_paged.model", "hf_paged.cpu")),
+    ("model", ("hf_paged.model", "hf_paged.cpu", "hf_paged.lora")),
     # the function transformers calls in each attention layer, and the backend objects it runs
     ("attention", ("hf_paged.attention",)),
     ("kernels", ("hf_paged.kernels",)),

@@ -20,6 +20,7 @@ from hf_paged.core.scheduler_output import ModelRunnerOutput, SampledLogprobs, S
 from hf_paged.executor.input_batch import BlockTables, pack_step, table_tensor
 from hf_paged.executor.step_runners import EagerStepRunner, Step, StepInputs, StepRunner
 from hf_paged.executor.kv_pool import KVPool
+from hf_paged.lora.manager import LoRAManager
 from hf_paged.sample.logits_processors import criteria_stop
 from hf_paged.sample.sampling import Sampler, SeqState
 from hf_paged.spec_decode.speculator import Speculator
@@ -40,11 +41,13 @@ class ModelRunner:
         max_model_len: Longest sequence.
         fast: The fast step runner chosen at start (decode buckets or the CPU native program), or None.
         block_tables: The persistent block tables (shared with ``fast``, which reads the step's rows from them).
+        lora: The LoRA adapters (``enable_lora``), or None. A step with adapter rows sets its row mapping on
+            it for the forward and runs on the eager runner (the fast runners do not apply the slots yet).
     """
 
     def __init__(
         self, model: torch.nn.Module, pool: KVPool, attention: AttentionLayers, sampler: Sampler, max_model_len: int,
-        fast: StepRunner | None = None, block_tables: BlockTables | None = None,
+        fast: StepRunner | None = None, block_tables: BlockTables | None = None, lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -60,6 +63,7 @@ class ModelRunner:
         self.states: dict[int, SeqState] = {}
         self.structured = StructuredMatchers()  # grammar matchers of structured-output sequences
         self.block_tables = BlockTables() if block_tables is None else block_tables
+        self.lora = lora
 
     def close(self) -> None:
         """Drop the speculative proposers, the fast step runner (its buffers, graphs, packs) and all state."""
@@ -144,6 +148,13 @@ class ModelRunner:
         ``inputs`` through ``model`` (a draft model) on the eager forward."""
         if isinstance(step, StepInputs):
             return self.eager.forward(step, model)
+        if self.lora is not None and any(item.lora_int_id for item in step.scheduled):
+            # the step's adapter of each row, for every slot; cleared after, so a draft model's forward runs base
+            self.lora.set_step([(item.lora_int_id, item.num_new_tokens) for item in step.scheduled], self.device)
+            try:
+                return self.eager.run(step)
+            finally:
+                self.lora.clear_step()
         runner = self.fast if self.fast is not None and self.fast.accepts(step.scheduled) else self.eager
         logits = runner.run(step)
         return self.eager.run(step) if logits is None else logits

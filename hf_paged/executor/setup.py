@@ -20,6 +20,8 @@ from hf_paged.cpu.packed_model import PackedLinears
 from hf_paged.cpu.program_fit import hooks, skipped_modules, why_not
 from hf_paged.cpu.quant_linear import QuantLinear
 from hf_paged.cpu.quantize_model import QuantizedLinears
+from hf_paged.lora.attach import adaptable_linears, attach_slots
+from hf_paged.lora.manager import LoRAManager
 from hf_paged.model.default_model import load_model
 from hf_paged.executor.decode_buckets import DecodeBuckets, resolve_mode
 from hf_paged.executor.input_batch import BlockTables
@@ -139,10 +141,19 @@ def _all_quantized(model: torch.nn.Module) -> bool:
     )
 
 
+def make_lora(model: torch.nn.Module, cfg: EngineConfig):
+    """The engine's LoRA manager over the model's adaptable linears, its slots attached; and their undo."""
+    linears = adaptable_linears(model)
+    if not linears:
+        raise ValueError("enable_lora: this model has no linear layers inside its decoder layers to adapt")
+    manager = LoRAManager(linears, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras)
+    return manager, attach_slots(model, manager)
+
+
 def maybe_fuse(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
     """The model's fused decoder layers (shared with other engines on the same model), or None."""
     want = cfg.fuse_layers
-    if want is False:
+    if want is False or cfg.enable_lora:  # the fused layers do not call the LoRA slots (yet)
         return None
     why = ""
     if device.type != "cpu":
