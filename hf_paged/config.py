@@ -130,7 +130,8 @@ class EngineConfig:
             process with no budget and no way to stop it. ``hf-paged serve`` and ``chat`` set 20 s unless told
             otherwise (``--structured-compile-timeout-s``). See docs/structured_output.md.
         enable_lora: Serve PEFT LoRA adapters per request (``lora_request=``; docs/lora.md). Steps with adapter
-            rows run the eager forward, and the fused CPU decoder layers are off (see docs/lora.md).
+            rows run the eager forward (the fused CPU decoder layers apply the adapters; the native decode program
+            and decode buckets serve base-only steps).
         max_loras: With ``enable_lora``, the most distinct adapters one step mixes (resident at once); requests
             of more adapters wait.
         max_lora_rank: With ``enable_lora``, the largest adapter rank accepted (the slots are padded to it).
@@ -241,9 +242,6 @@ class EngineConfig:
             return
         if self.tensor_parallel_size > 1:
             raise NotImplementedError("enable_lora with tensor_parallel_size > 1 is not supported yet (one process)")
-        if self.fuse_layers:
-            raise ValueError("fuse_layers=True conflicts with enable_lora: the fused decoder layers do not apply "
-                             "adapters yet (leave fuse_layers None)")
         if self.decode_runner == "inductor":
             raise ValueError("decode_runner='inductor' conflicts with enable_lora (its compiled graphs would not "
                              "see the adapter slots); use 'auto'")

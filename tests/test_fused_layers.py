@@ -171,7 +171,7 @@ def test_fused_layers_run_qkv_and_gate_up_as_one_gemm_each(arch):
             qkv, gate_up = packs.group(layer.self_attn, QKV), packs.group(layer.mlp, GATE_UP)
             assert qkv is not None and gate_up is not None
             assert (qkv.bias is not None) == (arch == "qwen2")
-            assert all(packs._packs[id(m)] is None for m in qkv.modules + gate_up.modules)
+            assert all(m._pack is None for m in qkv.modules + gate_up.modules)
         with torch.no_grad():  # an optimizer-like in-place update of one member between requests
             model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
             model.model.layers[-1].mlp.up_proj.weight.add_(0.01)
@@ -182,4 +182,4 @@ def test_fused_layers_run_qkv_and_gate_up_as_one_gemm_each(arch):
         outs = engine.generate(prompts, params, use_tqdm=False)
         for prompt, out in zip(prompts, outs):
             assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, 10)
-        assert all(packs._packs[id(m)] is not None for m in packs.group(model.model.layers[0].mlp, GATE_UP).modules)
+        assert all(m._pack is not None for m in packs.group(model.model.layers[0].mlp, GATE_UP).modules)

@@ -129,8 +129,8 @@ def test_settings_are_checked(base, good):
         EngineConfig(enable_lora=True, max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="max_lora_rank must be >= 1"):
         EngineConfig(enable_lora=True, max_lora_rank=0)
-    with pytest.raises(ValueError, match="fuse_layers=True conflicts with enable_lora"):
-        EngineConfig(enable_lora=True, fuse_layers=True)
+    with pytest.raises(ValueError, match="decode_runner='inductor' conflicts with enable_lora"):
+        EngineConfig(enable_lora=True, decode_runner="inductor")
     with pytest.raises(ValueError, match="lora_int_id must be >= 1"):
         LoRARequest("x", 0, "/tmp")
     with PagedGenerator(base, num_blocks=32) as engine:

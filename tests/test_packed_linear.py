@@ -7,12 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_paged.attention.function import engine_forward, engine_forward_active
+from hf_paged.attention.function import engine_forward
 from hf_paged.kernels.cpu import native_gemm
 from hf_paged.cpu import packed_linear
 from hf_paged.kernels.cpu.native import NativeLibrary
 from hf_paged.cpu.packed_linear import NativePackedWeight, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight
 from hf_paged.cpu.packed_model import PackedLinears
+from hf_paged.model.layers.linear import DenseLinear, OwnedLinears
 
 needs_mkl = pytest.mark.skipif(not packed_linear.available("mkl"), reason="torch without MKL's packed sgemm")
 needs_onednn = pytest.mark.skipif(not packed_linear.available("onednn"), reason="torch without oneDNN")
@@ -164,15 +165,16 @@ def test_upcast_packed_linear_is_linear_computed_in_fp32(rows, dtype):
 
 def test_auto_kind_picks_a_working_packing_or_plain_linear_per_dtype():
     model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 16).bfloat16())
-    packs = PackedLinears(model, engine_forward_active)
+    OwnedLinears(model)  # the engine's linear layer objects, which packing acts on
+    packs = PackedLinears(model)
     for dtype in (torch.float32, torch.bfloat16):
         kind = packs.kinds[dtype]
         assert kind == "torch" or packed_linear.available(kind, dtype), (dtype, kind)
     with pytest.raises(ValueError, match="'mkl', 'onednn', 'native' or 'upcast'"):
-        PackedLinears(model, engine_forward_active, kind="blas")
+        PackedLinears(model, kind="blas")
     packs.remove()
     if packed_linear.available("any", torch.float32):
-        packs = PackedLinears(model, engine_forward_active, kind="any")  # a packing even if F.linear is as fast
+        packs = PackedLinears(model, kind="any")  # a packing even if F.linear is as fast
         assert packs.kinds[torch.float32] in packed_linear.CANDIDATES[torch.float32]
         packs.remove()
 
@@ -185,7 +187,9 @@ def test_packs_route_engine_forwards_only_and_follow_weight_changes(kind):
     model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16, bias=False))
     x = torch.randn(70, 32)
     want = model(x).detach()
-    packs = PackedLinears(model, engine_forward_active, kind)
+    owned = OwnedLinears(model)
+    assert [type(m) for m in model] == [DenseLinear, torch.nn.ReLU, DenseLinear]
+    packs = PackedLinears(model, kind)
     assert len(packs) == 2 and packs.packed_kinds == {torch.float32: kind}
     calls = []
     cls = packed_linear.PACKERS[kind]
@@ -213,7 +217,9 @@ def test_packs_route_engine_forwards_only_and_follow_weight_changes(kind):
     finally:
         cls.linear = original
     packs.remove()
-    assert "forward" not in model[0].__dict__ and len(packs) == 0
+    assert model[0].packer is None and model[0]._pack is None and len(packs) == 0
+    owned.remove()
+    assert [type(m) for m in model] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
 
 
 def test_prepack_weights_config_is_validated():
@@ -243,7 +249,7 @@ def test_engine_with_each_packing_keeps_greedy_parity(kind):
         engine.close()
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == stock_greedy(model, prompt, 12)
-    assert "forward" not in model.model.layers[0].mlp.up_proj.__dict__  # close() restored the modules
+    assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear  # close() gave the stock modules back
 
 
 @pytest.mark.parametrize("kind", ["mkl", "onednn", "native"])

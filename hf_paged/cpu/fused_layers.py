@@ -33,7 +33,8 @@ from hf_paged.attention import function as attention
 from hf_paged.model import patches as model_patches
 from hf_paged.kernels.cpu import fused_ops
 from hf_paged.cpu.quant_linear import QuantLinear
-from hf_paged.model.layers.linear import linear_of
+from hf_paged.model.layers.linear import DenseLinear
+from hf_paged.model.layers.parallel import linear_of
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +109,8 @@ def _why_not(layer: torch.nn.Module) -> str:
     # modules, so their all-reduce runs); the projections it groups into one GEMM must be plain
     linears = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj,
                linear_of(attn.o_proj), linear_of(mlp.down_proj)]
-    if any(type(m) not in (torch.nn.Linear, QuantLinear) for m in linears):
-        return "a projection is not a plain nn.Linear or a QuantLinear"
+    if any(type(m) not in (torch.nn.Linear, DenseLinear, QuantLinear) for m in linears):
+        return "a projection is not a plain nn.Linear or one of the engine's linear layers"
     if type(mlp.act_fn) not in silu_classes():
         return f"MLP activation {_class_name(type(mlp.act_fn))}, expected SiLU"
     for attr in ("head_dim", "scaling", "layer_idx"):
@@ -160,6 +161,11 @@ def _group(model_ref, parent: torch.nn.Module, names: tuple[str, ...], x: torch.
     return group if group is not None and group.dtype == x.dtype else None
 
 
+def _with_slots(x: torch.Tensor, outs, modules) -> tuple:
+    """A packed group's member outputs, each through its layer's LoRA slot where one is set."""
+    return tuple(y if m.lora is None else m.lora(x, y) for y, m in zip(outs, modules))
+
+
 def window_getter(attn: torch.nn.Module):
     """The sliding window of ``attn`` as transformers reads it at each call: Mistral from its config, Qwen2 per
     layer, Llama none."""
@@ -190,8 +196,8 @@ def _fused_forward(layer: torch.nn.Module, model_ref):
         tokens = x.shape[0]
         h, _ = fused_ops.rms_norm(x, ln1.weight, ln1.variance_epsilon)
         qkv = _group(model_ref, attn, QKV, h)
-        if qkv is not None:  # one GEMM, q/k/v as column views of its output
-            q, k, v = qkv.linear(h).split_with_sizes(qkv.sizes, dim=-1)
+        if qkv is not None:  # one GEMM, q/k/v as column views of its output (then each member's LoRA slot)
+            q, k, v = _with_slots(h, qkv.linear(h).split_with_sizes(qkv.sizes, dim=-1), qkv.modules)
         else:
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
         cos, sin = position_embeddings
@@ -204,7 +210,7 @@ def _fused_forward(layer: torch.nn.Module, model_ref):
         h, residual = fused_ops.rms_norm(o, ln2.weight, ln2.variance_epsilon, residual=x)
         gate_up = _group(model_ref, mlp, GATE_UP, h)
         if gate_up is not None:
-            gate, up = gate_up.linear(h).split_with_sizes(gate_up.sizes, dim=-1)
+            gate, up = _with_slots(h, gate_up.linear(h).split_with_sizes(gate_up.sizes, dim=-1), gate_up.modules)
             # in place in the GEMM's output: the same two roundings as mul(silu(gate), up), no new tensor
             m = mlp.down_proj(torch.nn.functional.silu(gate, inplace=True).mul_(up))
         else:

@@ -32,7 +32,7 @@ from hf_paged.cpu.program_fit import hooks, skipped_modules, why_not
 from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops
 from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
 from hf_paged.cpu.quant_program import QuantEmbedding, QuantLinear, QuantOp, quant_group
-from hf_paged.model.layers.linear import ParallelLinear, linear_of
+from hf_paged.model.layers.parallel import ParallelLinear, linear_of
 
 logger = logging.getLogger(__name__)
 
@@ -239,8 +239,16 @@ class DecodeProgram:
                 ops.append((_Finish(module, y, self._rows), ()))
             return ops
 
+        def no_slot(*modules: torch.nn.Module) -> None:
+            # the program's GEMMs add no LoRA deltas: a layer with a slot set runs eagerly (checked per replay)
+            for module in modules:
+                if getattr(module, "lora", None) is not None:
+                    raise _Unfit("a LoRA slot is set on a linear layer")
+                scalars.append((module, "lora", None))
+
         def pack_of(module: torch.nn.Linear):
             # a single projection's current pack (packed again if its weight changed), as its forward would
+            no_slot(module)
             if type(module) is QuantLinear:
                 seen.extend((_seen(module._buffers, "qweight"), _seen(module._parameters, "bias")))
                 scalars.append((module, "activations", module.activations))
@@ -253,6 +261,7 @@ class DecodeProgram:
             return pack, module.bias
 
         def group_of(parent, names):
+            no_slot(*(getattr(parent, n) for n in names))
             group = quant_group(parent, names)
             if group is not None:  # quantized siblings as one QuantLinear (the members' bytes are views of it)
                 seen.extend(_seen(getattr(parent, n)._buffers, "qweight") for n in names)

@@ -1,17 +1,18 @@
-"""The model side of packed linears: which ``nn.Linear`` modules of a model run through which pack.
+"""The model side of packed linears: which of the engine's linear layers run through which pack.
 
-:class:`PackedLinears` gives every plain CPU fp32/bf16/fp16 ``nn.Linear`` a forward that uses its packed weight
-(:mod:`hf_paged.cpu.packed_linear`) inside engine forwards only; :class:`PackedGroup` packs sibling
-projections that read the same input (q/k/v, gate/up) as one weight, for the fused decoder layers.
+:class:`PackedLinears` gives every CPU fp32/bf16/fp16 :class:`~hf_paged.model.layers.linear.DenseLinear` the
+packer of its dtype (:mod:`hf_paged.cpu.packed_linear`); the layer uses its pack inside engine forwards only.
+:class:`PackedGroup` packs sibling projections that read the same input (q/k/v, gate/up) as one weight, for the
+fused decoder layers.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
+from hf_paged.model.layers.linear import DenseLinear
 from hf_paged.cpu.packed_linear import (
     CANDIDATES, KIND_NAMES, PACKERS, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight, available, fastest_kind,
 )
@@ -77,43 +78,42 @@ class PackedGroup:
         return self.pack.linear(x, self.bias)
 
 
-def _current(packs: dict, module: torch.nn.Linear, packer, dtype: torch.dtype):
-    """``packs[id(module)]``, packed (again) when missing (a group member) or stale (the weight changed); None
-    where the weight no longer fits ``packer`` (another dtype or device, or an inference tensor)."""
-    weight = module.weight
-    pack = packs[id(module)]
-    if pack is None or pack.stale(weight):
-        if weight.dtype != dtype or weight.device.type != "cpu" or weight.is_inference():
-            return None
-        pack = packs[id(module)] = packer(weight)
-    return pack
+class _Packer:
+    """Makes a layer's pack of one kind for weights of one dtype (``DenseLinear.packer``)."""
+
+    __slots__ = ("kind", "dtype", "_make")
+
+    def __init__(self, kind: str, dtype: torch.dtype) -> None:
+        self.kind, self.dtype, self._make = kind, dtype, PACKERS[kind]
+
+    def __call__(self, weight: torch.Tensor):
+        return self._make(weight)
 
 
 class PackedLinears:
-    """Packs every plain fp32/bf16 CPU ``nn.Linear`` of ``model``; engine forwards run through the packs.
+    """Packs the weight of every fp32/bf16 CPU :class:`~hf_paged.model.layers.linear.DenseLinear` of ``model``
+    (the engine's own linears: :class:`~hf_paged.model.layers.linear.OwnedLinears` made them); those layers use
+    their pack inside engine forwards.
 
     Args:
-        model: The model whose linears are packed (in place: their ``forward`` is swapped).
-        active: True while an engine forward runs; only then are the packs used.
+        model: The model whose engine linears get a packer.
         kind: "auto" (per dtype, the fastest of plain ``F.linear`` and the packings that pass their probe
             here, timed once at one weight shape), "any" (the fastest packing even if ``F.linear`` is as
             fast), or "mkl", "onednn", "upcast" to use that packing where it works (dtypes it cannot pack stay
             unpacked).
     """
 
-    def __init__(self, model: torch.nn.Module, active: Callable[[], bool], kind: str = "auto") -> None:
+    def __init__(self, model: torch.nn.Module, kind: str = "auto") -> None:
         if kind not in ("auto", "any", *PACKERS):
             raise ValueError(f"packing kind must be 'auto', 'any', {KIND_NAMES}, got {kind!r}")
-        self._active = active
-        self._modules: list[torch.nn.Linear] = []
-        self._packs: dict[int, PackedWeight | OneDnnPackedWeight | UpcastPackedWeight | None] = {}  # None: pack on use
+        self._layers: list[DenseLinear] = []
         self._groups: dict[tuple, PackedGroup | None] = {}
         self.kinds: dict[torch.dtype, str] = {}  # dtype -> packing kind in use ("torch": not packed)
         nbytes = 0
         for module in model.modules():
-            w = getattr(module, "weight", None)
-            if type(module) is not torch.nn.Linear or w is None or w.device.type != "cpu":
+            if type(module) is not DenseLinear or module.weight.device.type != "cpu":
                 continue
+            w = module.weight
             if w.is_inference() or (module.bias is not None and module.bias.is_inference()):
                 # made under torch.inference_mode: no version counter, so an in-place change could not be seen
                 # and a pack would go stale silently; these keep F.linear
@@ -121,16 +121,15 @@ class PackedLinears:
             packer = self._packer(w, kind)
             if packer is None:
                 continue
-            self._packs[id(module)] = packer(w)
+            module.set_packer(packer)
             nbytes += w.numel() * w.element_size()
-            module.forward = self._make_forward(module)
-            self._modules.append(module)
+            self._layers.append(module)
         logger.info(
-            "pre-packed %d linear layers (%.0f MiB of weights; %s)", len(self._modules), nbytes / 2**20,
+            "pre-packed %d linear layers (%.0f MiB of weights; %s)", len(self._layers), nbytes / 2**20,
             ", ".join(f"{str(d).removeprefix('torch.')}: {k}" for d, k in self.kinds.items()) or "none",
         )
 
-    def _packer(self, weight: torch.Tensor, kind: str):
+    def _packer(self, weight: torch.Tensor, kind: str) -> _Packer | None:
         dtype = weight.dtype
         if dtype not in self.kinds:
             if kind in ("auto", "any"):
@@ -138,7 +137,7 @@ class PackedLinears:
             else:
                 self.kinds[dtype] = kind if kind in CANDIDATES.get(dtype, ()) and available(kind, dtype) else "torch"
         chosen = self.kinds[dtype]
-        return None if chosen == "torch" else PACKERS[chosen]
+        return None if chosen == "torch" else _Packer(chosen, dtype)
 
     @property
     def packed_kinds(self) -> dict[torch.dtype, str]:
@@ -146,34 +145,12 @@ class PackedLinears:
         return {d: k for d, k in self.kinds.items() if k != "torch"}
 
     def __len__(self) -> int:
-        return len(self._modules)
-
-    def _make_forward(self, module: torch.nn.Linear):
-        original = type(module).forward.__get__(module)
-        packs = self._packs
-        active = self._active
-        dtype = module.weight.dtype
-        packer = PACKERS[self.kinds[dtype]]
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            weight = module.weight
-            if not active() or x.dtype != weight.dtype or x.device.type != "cpu" or (
-                torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-            ):
-                return original(x)
-            pack = _current(packs, module, packer, dtype)
-            return original(x) if pack is None else pack.linear(x, module.bias)
-
-        forward.packer, forward.dtype = packer, dtype
-        return forward
+        return len(self._layers)
 
     def current_pack(self, module: torch.nn.Module):
         """``module``'s pack for its current weight (packed again if the weight changed, as its forward would),
-        or None where it has none: not a linear packed here, or its weight no longer fits the packing."""
-        forward = module.__dict__.get("forward")
-        if id(module) not in self._packs or forward is None or not hasattr(forward, "packer"):
-            return None
-        return _current(self._packs, module, forward.packer, forward.dtype)
+        or None where it has none: not a layer packed here, or its weight no longer fits the packing."""
+        return module.current_pack() if type(module) is DenseLinear and module.packer is not None else None
 
     def group(self, parent: torch.nn.Module, names: tuple[str, ...]) -> PackedGroup | None:
         """The children ``names`` of ``parent`` packed as one weight (built on first request, then kept), or None
@@ -193,18 +170,17 @@ class PackedLinears:
             return group if group.usable() else None
         modules = [getattr(parent, n, None) for n in names]
         group = None
-        if all(isinstance(m, torch.nn.Linear) and id(m) in self._packs for m in modules):
+        if all(type(m) is DenseLinear and m.packer is not None for m in modules):
             w0 = modules[0].weight
             if all(m.weight.dtype == w0.dtype and m.weight.shape[1] == w0.shape[1] for m in modules):
                 group = PackedGroup(modules, PACKERS[self.kinds[w0.dtype]])
                 for m in modules:
-                    self._packs[id(m)] = None
+                    m.drop_pack()
         self._groups[key] = group
         return group
 
     def remove(self) -> None:
-        for module in self._modules:
-            module.__dict__.pop("forward", None)
-        self._modules.clear()
-        self._packs.clear()
+        for layer in self._layers:
+            layer.set_packer(None, pack_now=False)
+        self._layers.clear()
         self._groups.clear()

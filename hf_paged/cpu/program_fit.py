@@ -7,7 +7,8 @@ import torch
 
 from hf_paged.cpu.fused_layers import family_classes, family_of, not_family
 from hf_paged.cpu.quant_linear import QuantEmbedding, QuantLinear, kernel
-from hf_paged.model.layers.linear import linear_of
+from hf_paged.model.layers.linear import DenseLinear
+from hf_paged.model.layers.parallel import linear_of
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C kernels' dtype codes
 
@@ -30,7 +31,7 @@ def why_not(model: torch.nn.Module, fused, packing) -> str:
     if not layers or any(layer not in fused.layers for layer in layers):
         return "not every decoder layer has the fused forward"
     if type(base.embed_tokens) not in (torch.nn.Embedding, QuantEmbedding) or (
-        type(linear_of(model.lm_head)) not in (torch.nn.Linear, QuantLinear)  # (a tensor-parallel head: its slice)
+        type(linear_of(model.lm_head)) not in (torch.nn.Linear, DenseLinear, QuantLinear)  # (a TP head: its slice)
     ):
         return "the embedding or the LM head is not a plain (or quantized) nn.Embedding / nn.Linear"
     if type(base.norm) is not classes["RMSNorm"] or getattr(base.norm, "variance_epsilon", None) is None:

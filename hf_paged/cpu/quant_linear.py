@@ -253,8 +253,16 @@ class QuantLinear(torch.nn.Module):
     def _scales_ptr(self) -> int | None:
         return None if self.scales is None else self.scales.data_ptr()
 
+    lora = None  # the LoRA slot (hf_paged.model.layers.linear): callable (x, y) -> y, or None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., K]`` (any float dtype, computed in fp32) -> ``[..., N]`` in ``x``'s dtype."""
+        """``x [..., K]`` (any float dtype, computed in fp32) -> ``[..., N]`` in ``x``'s dtype, plus the LoRA
+        slot's deltas where one is set."""
+        y = self._linear(x)
+        slot = self.lora
+        return y if slot is None else slot(x, y)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
         fn, mode = kernel(self.activations) if x.device.type == "cpu" else (None, None)

@@ -23,7 +23,8 @@ import torch
 
 from hf_paged.cpu import quant_modes
 from hf_paged.cpu.quant_linear import ACTIVATIONS, GROUP, QUANTIZATIONS, QuantLinear
-from hf_paged.model.layers.linear import ParallelLinear, linear_of, rank0_choice
+from hf_paged.model.layers.linear import is_dense
+from hf_paged.model.layers.parallel import ParallelLinear, linear_of, rank0_choice
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class QuantizedLinears:
         unfit = []
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
-                if type(child) is not torch.nn.Linear or (child is head and not lm_head):
+                if not is_dense(child) or (child is head and not lm_head):
                     continue
                 fit = child.in_features % GROUP == 0 and child.weight.device.type == "cpu"
                 shard = parent if type(parent) is ParallelLinear else None  # a tensor-parallel rank's slice

@@ -32,7 +32,8 @@ from hf_paged.executor.decode_buckets import DecodeBuckets
 from hf_paged.executor.input_batch import BlockTables
 from hf_paged.executor.model_runner import ModelRunner
 from hf_paged.executor.setup import (
-    build_pool, make_fast_runner, make_lora, make_proposer, maybe_fuse, maybe_prepack, maybe_quantize, release_model,
+    build_pool, make_fast_runner, make_lora, make_proposer, maybe_fuse, maybe_prepack, maybe_quantize, own_linears,
+    release_model,
 )
 from hf_paged.kernels.ops import resolve_backend
 from hf_paged.executor.kv_pool import KVPool
@@ -151,10 +152,11 @@ class UniProcExecutor(Executor):
     def __init__(self, model: torch.nn.Module, cfg: EngineConfig, agree=None) -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        self.packed = self.fused = self.quantized = None
+        self.linears = self.packed = self.fused = self.quantized = None
         detach_lora = None
         model_patches.acquire_attention(model)
         try:
+            self.linears = own_linears(model)  # first: quantizing, packing and LoRA act on these layer objects
             self.quantized = maybe_quantize(model, cfg, self.device)
             self.pool, self.max_model_len = build_pool(model, cfg, self.device, agree)
             self.backend = resolve_backend(cfg.attention_backend, self.device, self.pool.cache_dtype)
@@ -173,13 +175,18 @@ class UniProcExecutor(Executor):
         except BaseException:
             if detach_lora is not None:
                 detach_lora()
-            release_model(model, self.packed is not None, self.fused is not None, self.quantized is not None)
+            release_model(model, self._held())
             raise
         self.num_blocks = self.pool.num_blocks
         self.num_host_blocks = self.pool.num_host_blocks
         # An executor dropped without close() gives the model back when it is garbage-collected.
-        self._release = weakref.finalize(self, _release, model, self.packed is not None, self.fused is not None,
-                                         self.quantized is not None, detach_lora)
+        self._release = weakref.finalize(self, _release, model, self._held(), detach_lora)
+
+    def _held(self) -> list[str]:
+        """The model patches this executor holds, in the order they were taken."""
+        held = [("linears", self.linears), ("quantization", self.quantized), ("packing", self.packed),
+                ("fused_layers", self.fused)]
+        return [name for name, obj in held if obj is not None]
 
     def describe(self) -> ExecutorSetup:
         return ExecutorSetup(self.pool, self.backend, self.packed, self.fused, self.quantized)
@@ -209,12 +216,12 @@ class UniProcExecutor(Executor):
     def close(self) -> None:
         self.runner.close()
         self._release()  # once: the finalizer is dead afterwards
-        self.packed = self.fused = self.quantized = self.lora = None
+        self.linears = self.packed = self.fused = self.quantized = self.lora = None
         self.pool.kv_caches.clear()
         self.pool.host_caches.clear()
 
 
-def _release(model: torch.nn.Module, packed: bool, fused: bool, quantized: bool, detach_lora) -> None:
+def _release(model: torch.nn.Module, held: list[str], detach_lora) -> None:
     if detach_lora is not None:  # the LoRA slots come off the model's linears first
         detach_lora()
-    release_model(model, packed, fused, quantized)
+    release_model(model, held)

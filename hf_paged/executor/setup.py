@@ -23,6 +23,7 @@ from hf_paged.cpu.quantize_model import QuantizedLinears
 from hf_paged.lora.attach import adaptable_linears, attach_slots
 from hf_paged.lora.manager import LoRAManager
 from hf_paged.model.default_model import load_model
+from hf_paged.model.layers.linear import OwnedLinears, is_dense
 from hf_paged.executor.decode_buckets import DecodeBuckets, resolve_mode
 from hf_paged.executor.input_batch import BlockTables
 from hf_paged.executor.kv_pool import KVPool, decide_num_blocks, probe_kv_layout
@@ -75,6 +76,12 @@ def build_pool(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, 
     return pool, max_model_len
 
 
+def own_linears(model: torch.nn.Module) -> OwnedLinears | None:
+    """The engine's linear layer objects in place of the model's ``nn.Linear`` modules (shared with other engines
+    on the same model; :mod:`hf_paged.model.layers.linear`), or None where the model has none to replace."""
+    return model_patches.acquire(model, "linears", lambda: OwnedLinears(model))
+
+
 def maybe_quantize(model: torch.nn.Module, cfg: EngineConfig, device: torch.device) -> QuantizedLinears | None:
     """The model's linears quantized at start and their activation mode (shared with other engines on the same
     model), or None where neither is asked for."""
@@ -114,7 +121,7 @@ def maybe_prepack(model: torch.nn.Module, cfg: EngineConfig, device: torch.devic
         return None
     kind = want if isinstance(want, str) else ("any" if want else "auto")
 
-    packed = model_patches.acquire(model, "packing", lambda: PackedLinears(model, attention.engine_forward_active, kind))
+    packed = model_patches.acquire(model, "packing", lambda: PackedLinears(model, kind))
     if want is not None and packed is None and _all_quantized(model):
         # quantization (or a GGUF file) made every linear a QuantLinear, which has its own packed format: there is
         # nothing left for prepack_weights to pack, and the native decode program runs the quantized linears
@@ -128,7 +135,7 @@ def maybe_prepack(model: torch.nn.Module, cfg: EngineConfig, device: torch.devic
             f"{k} for {str(d).removeprefix('torch.')}: {packed_linear.unavailable_reason(k, d) or 'slower than F.linear'}"
             for k in tried for d in dtypes if k in packed_linear.CANDIDATES.get(d, ())
         )
-        if any(type(m) is torch.nn.Linear and m.weight.is_inference() for m in model.modules()):
+        if any(is_dense(m) and m.weight.is_inference() for m in model.modules()):
             why += "; weights made under torch.inference_mode are never packed (no version counter to see changes)"
         raise RuntimeError(f"prepack_weights={want!r}: no nn.Linear weight of this model can be packed here ({why})")
     return packed
@@ -136,9 +143,7 @@ def maybe_prepack(model: torch.nn.Module, cfg: EngineConfig, device: torch.devic
 
 def _all_quantized(model: torch.nn.Module) -> bool:
     """Whether the model's linears are all quantized ones (no plain ``nn.Linear`` left for packing)."""
-    return any(type(m) is QuantLinear for m in model.modules()) and not any(
-        type(m) is torch.nn.Linear for m in model.modules()
-    )
+    return any(type(m) is QuantLinear for m in model.modules()) and not any(is_dense(m) for m in model.modules())
 
 
 def make_lora(model: torch.nn.Module, cfg: EngineConfig):
@@ -153,7 +158,7 @@ def make_lora(model: torch.nn.Module, cfg: EngineConfig):
 def maybe_fuse(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
     """The model's fused decoder layers (shared with other engines on the same model), or None."""
     want = cfg.fuse_layers
-    if want is False or cfg.enable_lora:  # the fused layers do not call the LoRA slots (yet)
+    if want is False:
         return None
     why = ""
     if device.type != "cpu":
@@ -233,11 +238,8 @@ def max_positions(model: torch.nn.Module) -> int | None:
     return None
 
 
-def release_model(model: torch.nn.Module, packed: bool, fused: bool = False, quantized: bool = False) -> None:
-    if quantized:
-        model_patches.release(model, "quantization")
-    if packed:
-        model_patches.release(model, "packing")
-    if fused:
-        model_patches.release(model, "fused_layers")
+def release_model(model: torch.nn.Module, held: list[str]) -> None:
+    """Give back the model patches ``held`` (names, in the order taken: undone in reverse) and the attention."""
+    for name in reversed(held):
+        model_patches.release(model, name)
     model_patches.release_attention(model)

@@ -9,7 +9,7 @@ sharding itself is ours, on plain tensors:
   ``N`` does not divide the KV heads (the default model's 3 KV heads over 2 ranks: 1 + 2); with ``N`` a multiple
   of the KV heads, each KV head is replicated on ``N/KV`` ranks (as vLLM does).
 - rowwise: rank ``r`` keeps its slice of the input columns; the partial outputs are summed over ranks by an
-  all-reduce that is part of the layer (:class:`~hf_paged.model.layers.linear.ParallelLinear`); a bias is added
+  all-reduce that is part of the layer (:class:`~hf_paged.model.layers.parallel.ParallelLinear`); a bias is added
   by rank 0 only.
 - the LM head is split by vocabulary rows; rank 0 gathers the rows' logits (sampling happens once, there), again
   in the layer.
@@ -28,7 +28,7 @@ import torch
 from hf_paged.cpu.quant_formats import BLOCK_BYTES, GROUP
 from hf_paged.cpu.quant_linear import QuantLinear
 from hf_paged.model.hf_config import text_config
-from hf_paged.model.layers.linear import COMM, CommStats, ParallelLinear  # noqa: F401 - COMM re-exported
+from hf_paged.model.layers.parallel import COMM, CommStats, ParallelLinear  # noqa: F401 - COMM re-exported
 
 # the default plan for models whose config carries none (relative to the base model)
 DEFAULT_PLAN = {
@@ -261,7 +261,7 @@ def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
 
 def parallelize(model: torch.nn.Module, shard: Shard) -> torch.nn.Module:
     """Complete a filled shard (its weights read): every row-parallel linear and the LM head become a
-    :class:`~hf_paged.model.layers.linear.ParallelLinear` running its collective after its slice. Returns ``model``."""
+    :class:`~hf_paged.model.layers.parallel.ParallelLinear` running its collective after its slice. Returns ``model``."""
     head = model.get_output_embeddings()
     for name, how in shard.reduce.items():
         parent_name, _, leaf = name.rpartition(".")

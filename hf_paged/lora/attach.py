@@ -1,61 +1,50 @@
-"""Where the slots go: the base model's adaptable linears, and the one function that attaches the slots."""
+"""Where the slots go: the engine's linear layer objects (:func:`hf_paged.model.layers.linear.engine_linears`).
+
+Every engine linear ends its forward with ``y = self.lora(x, y)`` where ``lora`` is set. The manager sets the
+slot only on the layers that the step's adapters adapt, and only for that step's forward
+(:meth:`~hf_paged.lora.manager.LoRAManager.set_step`): between adapter steps every ``lora`` is None, so a
+base-only step runs exactly as without LoRA (the native decode program and decode buckets, which refuse a
+set slot, keep serving those steps).
+"""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 
 from hf_paged.lora.loading import REFUSED_TARGETS
 from hf_paged.lora.manager import LoRAManager
+from hf_paged.model.layers.linear import engine_linears
+
+# model -> the manager whose slots its layers take (the layer objects are shared by the engines on a model)
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def adaptable_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The linears a LoRA adapter may target: module name -> module, the decoder layers' linears (never the
-    embeddings or the LM head)."""
-    try:  # the engine's own linear layer objects, where the model was loaded into them
-        from hf_paged.model.layers.linear import engine_linears
-    except ImportError:
-        engine_linears = None
-    if engine_linears is not None:
-        found = dict(engine_linears(model))
-    else:
-        # plain, packed or quantized linears: whatever maps in_features to out_features
-        found = {name: m for name, m in model.named_modules()
-                 if isinstance(getattr(m, "in_features", None), int) and isinstance(getattr(m, "out_features", None), int)}
-    return {name: m for name, m in found.items()
+    """The linears a LoRA adapter may target: qualified name -> engine linear layer, those inside the decoder
+    layers (never the embeddings or the LM head). A linear with hooks of its own stays a stock ``nn.Linear``
+    (no slot) and is not listed."""
+    return {name: m for name, m in engine_linears(model)
             if ".layers." in f".{name}" and not any(r in name.split(".")[-1] for r in REFUSED_TARGETS)}
 
 
 def attach_slots(model: torch.nn.Module, manager: LoRAManager) -> Callable[[], None]:
-    """Set ``module.lora`` to its slot on every adaptable linear of ``model``; returns the undo.
-
-    An engine linear layer calls its ``lora`` after its matmul. A plain ``nn.Linear`` (a model not loaded into
-    engine layers) does not: until every served linear is an engine layer, such a module gets a forward hook
-    that calls its slot, the one place that wraps anything here.
-    """
-    modules = dict(model.named_modules())
-    undo: list[Callable[[], None]] = []
-    for name, slot in manager.slots.items():
-        module = modules[name]
-        module.lora = slot
-        undo.append(lambda m=module: setattr(m, "lora", None))
-        if not _calls_lora(module):
-            handle = module.register_forward_hook(_slot_hook)
-            undo.append(handle.remove)
+    """Give ``manager`` the engine linear layers of ``model`` whose ``lora`` it sets per step; returns the undo
+    (every slot back to None). Raises ValueError if another engine serves adapters on the same model (the layer
+    objects are shared by the engines on a model)."""
+    owner = _OWNERS.get(model)
+    if owner is not None and owner is not manager:
+        raise ValueError("another engine on this model serves LoRA adapters (enable_lora); close it first, or give "
+                         "this engine its own copy of the model")
+    manager.bind(adaptable_linears(model))
+    _OWNERS[model] = manager
 
     def detach() -> None:
-        for step in reversed(undo):
-            step()
+        manager.clear_step()
+        manager.bind({})
+        if _OWNERS.get(model) is manager:
+            del _OWNERS[model]
 
     return detach
-
-
-def _calls_lora(module: torch.nn.Module) -> bool:
-    """Whether the module's own forward applies ``self.lora`` (an engine linear layer)."""
-    return bool(getattr(type(module), "applies_lora", False))
-
-
-def _slot_hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    slot = getattr(module, "lora", None)
-    return output if slot is None else slot(args[0], output)

@@ -7,8 +7,9 @@
   (:class:`~hf_paged.lora.slots.LoRASlot`); the scheduler admits at most that many distinct adapters at
   once, so one step never needs more.
 
-Per step the model runner calls :meth:`set_step` with each scheduled sequence's adapter and token count,
-runs the forward (every slot reads :attr:`plan`), then :meth:`clear_step`.
+Per step the model runner calls :meth:`set_step` with each scheduled sequence's adapter and token count (the
+slots then sit on the layers the step's adapters adapt, and read :attr:`plan`), runs the forward, then
+:meth:`clear_step`.
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ class LoRAManager:
         self._host: OrderedDict[int, LoRAWeights] = OrderedDict()
         self._resident: list[int | None] = [None] * max_loras  # slot -> adapter id
         self._slot_use: list[int] = [0] * max_loras  # the step that last used each slot (LRU among slots)
+        self._slot_names: list[set[str]] = [set() for _ in range(max_loras)]  # the layers each slot's adapter adapts
         self._steps = 0
         self.plan: StepPlan | None = None
+        self._layers: dict[str, torch.nn.Module] = {}  # the engine layers whose ``lora`` a step sets (bind)
+        self._set: list[torch.nn.Module] = []  # the layers with their slot set for this step
         self.num_requests: dict[int, int] = {}  # adapter id -> steps' sequences that ran with it (metrics)
 
     # -- adapters -------------------------------------------------------------------------------------
@@ -88,6 +92,7 @@ class LoRAManager:
         if lora_id in self._resident:
             slot = self._resident.index(lora_id)
             self._resident[slot] = None
+            self._slot_names[slot] = set()
             for layer in self.slots.values():
                 layer.set(slot, None)
         return True
@@ -132,9 +137,24 @@ class LoRAManager:
             if lora_id:
                 self.num_requests[lora_id] = self.num_requests.get(lora_id, 0) + 1
         self.plan = plan_step(token_slots, device)
+        # the slot goes on the layers this step's adapters adapt, and comes off after the forward
+        names = set().union(*(self._slot_names[slot] for slot in slot_of.values()))
+        for name in names:
+            layer = self._layers.get(name)
+            if layer is not None:
+                layer.lora = self.slots[name]
+                self._set.append(layer)
 
     def clear_step(self) -> None:
+        """After the step's forward: no plan, every slot off the layers again."""
         self.plan = None
+        for layer in self._set:
+            layer.lora = None
+        self._set.clear()
+
+    def bind(self, layers: dict[str, torch.nn.Module]) -> None:
+        """The layer objects whose ``lora`` :meth:`set_step` sets (:func:`~hf_paged.lora.attach.attach_slots`)."""
+        self._layers = dict(layers)
 
     def _make_resident(self, lora_id: int, needed: set[int]) -> int:
         if lora_id in self._resident:
@@ -146,6 +166,7 @@ class LoRAManager:
             for name, layer in self.slots.items():
                 layer.set(slot, weights.layers.get(name))
             self._resident[slot] = lora_id
+            self._slot_names[slot] = set(weights.layers)
         self._slot_use[slot] = self._steps
         return slot
 

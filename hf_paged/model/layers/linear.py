@@ -1,136 +1,157 @@
-"""Linear layers the engine owns: a tensor-parallel shard's linear with its collective as part of the layer.
+"""The linear layers an engine serves: one layer object per linear, owning its weight method and a LoRA slot.
 
-A tensor-parallel rank holds a slice of every sharded linear (:mod:`hf_paged.executor.tensor_parallel`). Where
-a slice's output is not the layer's output, the layer itself finishes it:
+At engine start :class:`OwnedLinears` replaces every plain ``nn.Linear`` of the model with a
+:class:`DenseLinear`: a new module object that shares the original's parameter dict (the very ``weight`` and
+``bias`` tensors, so ``state_dict`` keys, an optimizer's references and tied weights stay as they are). What a
+layer computes is then decided by the layer object, once, at start:
 
-- a **row-parallel** linear (o_proj, down_proj: the rank holds a slice of the input columns) adds the partial
-  outputs of every rank: an all-reduce after its own linear;
-- the **vocab-parallel** LM head (the rank holds a run of vocabulary rows) sends its rows of the logits to rank
-  0, which puts them together (sampling happens there only).
+- :class:`DenseLinear` (fp32/bf16/fp16): ``F.linear``, or on CPU inside engine forwards the packed weight the
+  engine chose for its dtype (:mod:`hf_paged.cpu.packed_model` sets :attr:`DenseLinear.packer`);
+- :class:`~hf_paged.cpu.quant_linear.QuantLinear` (int8, and the GGUF block formats q8_0/q4_0/q4_1): the engine
+  quantizing at start swaps the ``DenseLinear`` for it; a GGUF model or ``quantize_model`` brings it already;
+- a tensor-parallel rank's slice sits inside a :class:`~hf_paged.model.layers.parallel.ParallelLinear`, which
+  runs the collective after it.
 
-Column-parallel linears (q/k/v, gate/up) need nothing after them: they stay plain linears of their slice.
+Every layer that computes (``DenseLinear`` and ``QuantLinear``) ends its forward with its **LoRA slot**:
+``y = slot(x, y)`` where ``lora`` is set (``None``: no adapters, nothing runs). A slot is any callable
+``slot(x [..., in], y [..., out]) -> y'`` that adds, per row of the step, that row's adapter delta (the
+multi-LoRA manager sets them; a tensor-parallel slice's slot sees its slice's ``x`` and ``y``).
+:func:`engine_linears` lists them with their qualified names (the name of the ``ParallelLinear`` for a slice).
 
-:class:`ParallelLinear` is that layer: it wraps the rank's linear (``base``: an ``nn.Linear``, packed or not, or
-a :class:`~hf_paged.cpu.quant_linear.QuantLinear` once the engine quantizes it) and runs the collective after
-it. Because the collective is part of the layer, and not a hook on a module, every way of computing the layer
-keeps it: quantizing ``base`` at engine start (the quantizer swaps the child), packing it, the fused CPU decoder
-layers (which call o_proj and down_proj as modules) and the native decode program (which runs ``base`` as a C
-call and then :meth:`ParallelLinear.finish` on its step buffer). The model is the rank's private shard (built by
-the rank, never a user's object), so nothing has to be given back.
+:meth:`OwnedLinears.remove` (the last engine's ``close()``, or ``unwrap``) puts the original modules back where
+the engine's are still in place. Modules with hooks of their own (accelerate's offloading hooks, a user's forward
+hooks) are left alone: replacing them would drop the hooks.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+import copy
+import logging
 
 import torch
-import torch.distributed as dist
+import torch.nn.functional as F
 
-REDUCE = ("sum", "gather")
+from hf_paged.attention.function import engine_forward_active
 
-
-@dataclass
-class CommStats:
-    """This process's time and bytes in the forward's collectives (all-reduces and the LM head's gather),
-    including any wait for a slower rank: ``hf-paged bench chat --systems tp2`` reports it per step."""
-
-    seconds: float = 0.0
-    bytes: int = 0
-    calls: int = 0
-
-    def add(self, started: float, tensor: torch.Tensor) -> None:
-        self.seconds += time.perf_counter() - started
-        self.bytes += tensor.numel() * tensor.element_size()
-        self.calls += 1
+logger = logging.getLogger(__name__)
 
 
-COMM = CommStats()
+class DenseLinear(torch.nn.Linear):
+    """An engine's float linear (see the module docstring): ``F.linear`` on its own weight, or its packed weight
+    inside engine forwards on CPU, then its LoRA slot. Made by :meth:`adopt`, never constructed directly."""
 
+    packer = None  # makes this layer's packed weight (CPU); None: F.linear
+    lora = None  # the LoRA slot: callable (x, y) -> y, or None
+    _pack = None
 
-class ParallelLinear(torch.nn.Module):
-    """One rank's slice of a sharded linear and the collective that completes it (see the module docstring).
-
-    Args:
-        base: The rank's linear: ``nn.Linear`` (or a module computing ``x @ W^T + b`` of its slice).
-        reduce: "sum" (row-parallel: all-reduce the partial outputs) or "gather" (vocab-parallel LM head: rank 0
-            gathers every rank's rows, concatenates them and drops the padding past ``out_features``).
-        rank: This process's rank.
-        world: The number of ranks.
-        out_features: The full layer's output width (the vocabulary, for "gather"); the slice's own otherwise.
-    """
-
-    def __init__(self, base: torch.nn.Module, reduce: str, rank: int, world: int, out_features: int | None = None) -> None:
-        super().__init__()
-        if reduce not in REDUCE:
-            raise ValueError(f"reduce must be one of {REDUCE}, got {reduce!r}")
-        self.base = base
-        self.reduce, self.rank, self.world = reduce, rank, world
-        self.in_features = base.in_features
-        self.out_features = out_features if out_features is not None else base.out_features
-
-    def extra_repr(self) -> str:
-        return f"reduce={self.reduce}, rank={self.rank}, world={self.world}, out_features={self.out_features}"
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The slice's weight (a float ``base``'s; for code that reads ``lm_head.weight``'s dtype or device)."""
-        return self.base.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return getattr(self.base, "bias", None)
+    @classmethod
+    def adopt(cls, linear: torch.nn.Linear) -> DenseLinear:
+        """A ``DenseLinear`` sharing ``linear``'s parameters (its parameter dict itself: a weight replaced on
+        either module is the other's too), hooks dicts and flags; ``linear`` is not changed."""
+        layer = copy.copy(linear)  # a new object whose __dict__ holds the same _parameters dict
+        layer.__class__ = cls
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.finish(self.base(x))
+        y = self._linear(x)
+        slot = self.lora
+        return y if slot is None else slot(x, y)
 
-    def finish(self, local: torch.Tensor) -> torch.Tensor:
-        """The layer's output from this rank's ``local`` output: summed over the ranks in place ("sum"), or
-        (``"gather"``) the full logits on rank 0 and ``local`` on the others (nobody reads them)."""
-        started = time.perf_counter()
-        if self.reduce == "sum":
-            dist.all_reduce(local)
-            COMM.add(started, local)
-            return local
-        local = local.contiguous()
-        if self.rank == 0:
-            parts = [torch.empty_like(local) for _ in range(self.world)]
-            dist.gather(local, parts, dst=0)
-            COMM.add(started, local)
-            return torch.cat(parts, dim=-1)[..., : self.out_features]
-        dist.gather(local, None, dst=0)
-        COMM.add(started, local)
-        return local
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packer is not None and engine_forward_active():
+            weight = self.weight
+            if x.dtype == weight.dtype and x.device.type == "cpu" and not (
+                torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            ):
+                pack = self.current_pack()
+                if pack is not None:
+                    return pack.linear(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
-
-    def agree(self, fit: bool) -> bool:
-        """Whether every rank's slice of this layer ``fit``s something (all-reduce of the answer): the ranks must
-        all change the layer or none, because a change may run collectives (:meth:`row_absmax`)."""
-        flag = torch.tensor([int(fit)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
-    def row_absmax(self) -> torch.Tensor | None:
-        """For a row-parallel layer, each output row's largest weight magnitude over every rank's columns (the
-        scale of a per-row quantization, equal to the unsharded layer's); None for the LM head (whole rows)."""
-        if self.reduce != "sum":
+    def current_pack(self):
+        """The pack of the current weight (packed again if the weight changed since: an optimizer step,
+        ``load_state_dict``, a replaced tensor), or None: no packing, or the weight no longer fits it (another
+        dtype or device, or a tensor made under ``torch.inference_mode``, which has no version to watch)."""
+        packer = self.packer
+        if packer is None:
             return None
-        absmax = self.base.weight.detach().abs().amax(dim=1).float()
-        dist.all_reduce(absmax, op=dist.ReduceOp.MAX)
-        return absmax
+        weight = self.weight
+        pack = self._pack
+        if pack is None or pack.stale(weight):
+            if weight.dtype != packer.dtype or weight.device.type != "cpu" or weight.is_inference():
+                return None
+            pack = self._pack = packer(weight)
+        return pack
+
+    def set_packer(self, packer, pack_now: bool = True) -> None:
+        """Use ``packer`` (a callable ``weight -> pack`` with a ``dtype`` attribute; None: plain ``F.linear``)."""
+        self.packer = packer
+        self._pack = None
+        if packer is not None and pack_now:
+            self.current_pack()
+
+    def drop_pack(self) -> None:
+        """Free this layer's own pack (a packed group holds its weight now); it packs again if called alone."""
+        self._pack = None
 
 
-def rank0_choice(model: torch.nn.Module, value):
-    """``value`` as rank 0 chose it, where ``model`` is a tensor-parallel shard (every rank calls this at the same
-    point of its start): a choice timed on each rank (a kernel mode) could differ between ranks, and then so would
-    the numbers. Else ``value`` itself."""
-    if not any(type(m) is ParallelLinear for m in model.modules()) or not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _own_hooks(module: torch.nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
 
 
-def linear_of(module: torch.nn.Module) -> torch.nn.Module:
-    """The module that computes ``module``'s linear: its ``base`` for a :class:`ParallelLinear`, else itself."""
-    return module.base if type(module) is ParallelLinear else module
+class OwnedLinears:
+    """Replaces every plain ``nn.Linear`` of ``model`` with a :class:`DenseLinear` (undone by :meth:`remove`).
+
+    A tensor-parallel rank's slice (the ``base`` of a ``ParallelLinear``) is replaced like any other child.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._swapped: list[tuple[torch.nn.Module, str, torch.nn.Linear, DenseLinear]] = []
+        kept = 0
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                if _own_hooks(child):
+                    kept += 1
+                    continue
+                layer = DenseLinear.adopt(child)
+                setattr(parent, name, layer)
+                self._swapped.append((parent, name, child, layer))
+        if kept:
+            logger.info("%d linear layer(s) with hooks of their own stay stock nn.Linear (no packing, no LoRA slot)", kept)
+
+    def __len__(self) -> int:
+        return len(self._swapped)
+
+    def remove(self) -> None:
+        """Put the original modules back (where the engine's layer is still in place: a module the user set
+        meanwhile stays)."""
+        for parent, name, original, layer in reversed(self._swapped):
+            layer.set_packer(None, pack_now=False)
+            layer.lora = None
+            if parent._modules.get(name) is layer:
+                setattr(parent, name, original)
+        self._swapped.clear()
+
+
+def engine_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(qualified name, layer)`` for every linear layer object of ``model`` that computes (``DenseLinear``,
+    ``QuantLinear``): the objects whose ``lora`` slot a LoRA manager sets. A tensor-parallel slice is named as
+    its ``ParallelLinear`` (``...o_proj``, not ``...o_proj.base``)."""
+    from hf_paged.cpu.quant_linear import QuantLinear
+    from hf_paged.model.layers.parallel import ParallelLinear
+
+    out = []
+    for name, module in model.named_modules():
+        if type(module) in (DenseLinear, QuantLinear):
+            parent, _, leaf = name.rpartition(".")
+            if leaf == "base" and type(model.get_submodule(parent)) is ParallelLinear:
+                name = parent
+            out.append((name, module))
+    return out
+
+
+def is_dense(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a float linear: a stock ``nn.Linear`` or the engine's :class:`DenseLinear`."""
+    return type(module) in (torch.nn.Linear, DenseLinear)
