@@ -132,3 +132,33 @@ def test_preempted_adapter_rows_resume_with_their_adapter(setup):
                                lora_request=[None if n is None else adapters[n][0] for n in names])
         assert sum(engine.stats().num_preemptions.values()) > 0
     assert [o.outputs[0].token_ids for o in outs] == refs
+
+
+@pytest.mark.parametrize("runner", [dict(decode_runner="static"), dict(decode_runner="native", prepack_weights=True)])
+def test_fast_decode_runners_serve_base_steps_and_adapter_steps_run_eager(tmp_path, runner):
+    """Adapter steps leave the decode buckets / native program (their slots are set only for that forward);
+    base-only steps still take the fast runner, and every row keeps its parity."""
+    base = make_model("llama")
+    peft_model = make_adapter(base, tmp_path, seed=21, **ADAPTERS["b"])
+    req = LoRARequest("b", 1, str(tmp_path))
+    prompts = make_prompts(4, seed=17)
+    names = [None, "b", None, "b"]
+    refs = [stock_greedy(peft_model if n else base, p, MAX_TOKENS) for p, n in zip(prompts, names)]
+    try:
+        engine = PagedGenerator(base, enable_lora=True, max_lora_rank=8, num_blocks=64, **runner)
+    except ValueError as e:  # the native program needs kernels this CPU may lack
+        pytest.skip(str(e))
+    with engine:
+        fast = engine.executor.runner.fast
+        assert fast is not None
+        calls = []
+        original = fast.run
+        fast.run = lambda step: calls.append(step) or original(step)
+        mixed = engine.generate(prompts, GREEDY, use_tqdm=False,
+                                lora_request=[req if n else None for n in names])
+        assert not calls  # every step of that batch had adapter rows
+        only_base = engine.generate([prompts[0]], GREEDY, use_tqdm=False)
+        assert calls  # base-only decode steps take the fast runner
+        assert all(layer.lora is None for layer in engine.executor.lora._layers.values())
+    assert [o.outputs[0].token_ids for o in mixed] == refs
+    assert only_base[0].outputs[0].token_ids == refs[0]

@@ -15,7 +15,6 @@ from hf_paged import EngineConfig, LoRARequest, PagedGenerator, SamplingParams  
 from hf_paged.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from hf_paged.core.scheduler import Scheduler  # noqa: E402
 from hf_paged.core.sequence import Sequence  # noqa: E402
-from hf_paged.lora.attach import adaptable_linears  # noqa: E402
 from hf_paged.lora.loading import load_lora  # noqa: E402
 from tests.helpers import make_model, make_prompts, stock_greedy  # noqa: E402
 from tests.test_lora import make_adapter  # noqa: E402
@@ -36,7 +35,9 @@ def good(base, tmp_path_factory):
 
 
 def targets(model):
-    return {name: (m.in_features, m.out_features) for name, m in adaptable_linears(model).items()}
+    """The base's decoder-layer linears as load_lora takes them (outside an engine: the stock nn.Linear)."""
+    return {name: (m.in_features, m.out_features) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and ".layers." in name}
 
 
 def test_scaling_follows_peft(base, tmp_path):
