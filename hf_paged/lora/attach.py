@@ -26,7 +26,9 @@ def adaptable_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The linears a LoRA adapter may target: qualified name -> engine linear layer, those inside the decoder
     layers (never the embeddings or the LM head). A linear with hooks of its own stays a stock ``nn.Linear``
     (no slot) and is not listed."""
-    return {name: m for name, m in engine_linears(model)
+    # a PEFT model's own LoRA layer holds the linear as ``base_layer``: the adapter files name the outer module
+    named = ((name.removesuffix(".base_layer"), m) for name, m in engine_linears(model))
+    return {name: m for name, m in named
             if ".layers." in f".{name}" and not any(r in name.split(".")[-1] for r in REFUSED_TARGETS)}
 
 
