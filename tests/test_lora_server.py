@@ -58,3 +58,29 @@ def test_load_without_enable_lora_is_a_400(tmp_path):
     with serve(tiny_chat_model(tokenizer), tokenizer, TINY_NAME, num_blocks=32) as (url, _loop):
         r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)}, timeout=30)
     assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+
+
+def test_chat_page_answers_with_the_chosen_adapter(tmp_path):
+    from hf_paged import LoRARequest, SamplingParams
+    from hf_paged.ui.chat import BASE_CHOICE, ERROR_PREFIX, ChatDemo, build_prompt
+
+    tokenizer = default_tokenizer()
+    model = tiny_chat_model(tokenizer)
+    make_adapter(model, tmp_path, seed=33, r=8, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"])
+    with serve(model, tokenizer, TINY_NAME, enable_lora=True, max_lora_rank=8, num_blocks=64) as (_url, loop):
+        request = LoRARequest("shout", 1, str(tmp_path))
+        loop.call(lambda e: e.add_lora(request)).result(60)
+        demo = ChatDemo(loop, max_tokens=8)
+        assert demo.adapters() == ["shout"]
+
+        def answer(adapter: str) -> str:
+            *_, (shown, _conv, _box) = demo.respond("hi", [], "", 0.0, 1.0, 8, "s", adapter=adapter)
+            return shown[-1]["content"]
+
+        prompt = build_prompt(tokenizer, "", [{"role": "user", "content": "hi"}])
+        params = SamplingParams(max_tokens=8, temperature=0.0, top_p=1.0)
+        with_adapter = loop.add_request(prompt, params, lora_request=request).result(60).outputs[0].text
+        base = loop.add_request(prompt, params).result(60).outputs[0].text
+        assert with_adapter != base
+        assert answer("shout") == with_adapter and answer(BASE_CHOICE) == base
+        assert answer("nope").startswith(ERROR_PREFIX) and "'nope'" in answer("nope")
