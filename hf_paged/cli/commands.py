@@ -183,8 +183,9 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or _served_name(args.model)
     loop, tokenizer = _engine_loop(args, args.max_num_seqs)
     aliases = tuple(a for a in (args.model, _served_name(args.model)) if a and a != name)
+    lora = args.enable_lora or args.lora_modules
     served = ServedModel(name, tokenizer, loop.max_model_len, args.max_num_seqs, aliases,
-                         lora_modules={r.lora_name: r for r in loop.engine.list_loras()})
+                         lora_modules={r.lora_name: r for r in loop.engine.list_loras()} if lora else {})
     app = build_app(loop, served, api_key=api_key, request_workers=args.request_workers)
     print(f"hf-paged serve: {name} on http://{args.host}:{args.port}/v1 "
           f"(max_num_seqs={args.max_num_seqs}, max_model_len={loop.max_model_len}"
@@ -343,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a standard workload against its baselines (docs/benchmarks.md)",
                            formatter_class=fmt)
     bench.add_argument("workload", choices=["chat", "mixed", "latency", "prefix", "spec", "serve", "host", "arrival",
-                                            "structured", "replicas"])
+                                            "structured", "replicas", "lora"])
     bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights and KV cache dtype")
     bench.add_argument("--repeat", type=_positive_int, default=1, help="runs per system; the fastest counts")
     _add_kv_cache_dtype(bench)
