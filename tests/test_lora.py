@@ -162,3 +162,25 @@ def test_fast_decode_runners_serve_base_steps_and_adapter_steps_run_eager(tmp_pa
         assert all(layer.lora is None for layer in engine.executor.lora._layers.values())
     assert [o.outputs[0].token_ids for o in mixed] == refs
     assert only_base[0].outputs[0].token_ids == refs[0]
+
+
+def test_swap_preemption_and_quantized_base_with_adapters(tmp_path):
+    """Swapped-out adapter rows come back with their adapter; an int8 base applies the slots too (the adapter
+    changes its tokens)."""
+    base = make_model("llama")
+    peft_model = make_adapter(base, tmp_path, seed=23, **ADAPTERS["a"])
+    req = LoRARequest("a", 1, str(tmp_path))
+    names = ["a", None, "a", "a"]
+    prompts = make_prompts(len(names), lengths=[24, 24, 24, 24], seed=19)
+    refs = [stock_greedy(peft_model if n else base, p, MAX_TOKENS) for p, n in zip(prompts, names)]
+    loras = [req if n else None for n in names]
+    with PagedGenerator(base, enable_lora=True, max_lora_rank=8, num_blocks=13, block_size=8,
+                        enable_prefix_caching=False, preemption_mode="swap", swap_space=1 << 22) as engine:
+        outs = engine.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        assert engine.stats().num_preemptions["swap"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == refs
+
+    with PagedGenerator(base, enable_lora=True, max_lora_rank=8, num_blocks=64, quantization="int8") as engine:
+        quant_base, quant_lora = (engine.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=r)[0]
+                                  for r in (None, req))
+    assert quant_lora.outputs[0].token_ids != quant_base.outputs[0].token_ids

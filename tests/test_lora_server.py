@@ -61,7 +61,7 @@ def test_load_without_enable_lora_is_a_400(tmp_path):
 
 
 def test_chat_page_answers_with_the_chosen_adapter(tmp_path):
-    from hf_paged import LoRARequest, SamplingParams
+    from hf_paged import LoRARequest, SamplingParams, StructuredOutputsParams
     from hf_paged.ui.chat import BASE_CHOICE, ERROR_PREFIX, ChatDemo, build_prompt
 
     tokenizer = default_tokenizer()
@@ -84,3 +84,7 @@ def test_chat_page_answers_with_the_chosen_adapter(tmp_path):
         assert with_adapter != base
         assert answer("shout") == with_adapter and answer(BASE_CHOICE) == base
         assert answer("nope").startswith(ERROR_PREFIX) and "'nope'" in answer("nope")
+        # structured output keeps its constraint on an adapter's row
+        choice = SamplingParams(max_tokens=8, temperature=0.0,
+                                structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        assert loop.add_request(prompt, choice, lora_request=request).result(60).outputs[0].text in ("yes", "no")

@@ -85,6 +85,7 @@ class GeneratorClients:
         While no other thread steps the engine, the loop drives it itself (other queued requests progress
         too). Every item produced for the request arrives, whoever ran the step. Closing the iterator early
         aborts the request; an abort from elsewhere ends the stream with a ``finish_reason="abort"`` item.
+        ``lora_request``: a LoRA adapter for it (``enable_lora``), or None.
         """
         with self._lock:
             request, state = self._make_request(prompt, sampling_params, request_id, priority, lora_request=lora_request)

@@ -33,14 +33,6 @@ class LoRAIntake:
         with self._lock:
             return self._lora_manager().list() if self.executor.lora is not None else []
 
-    def lora_request_counts(self) -> dict[str, int]:
-        """Per adapter name, the sequences that ran a step with it so far (counters for metrics)."""
-        manager = self.executor.lora
-        if manager is None:
-            return {}
-        names = {r.lora_int_id: r.lora_name for r in manager.list()}
-        return {names[i]: n for i, n in manager.num_requests.items() if i in names}
-
     def _lora_manager(self):
         manager = self.executor.lora
         if manager is None:

@@ -102,7 +102,7 @@ class Executor(abc.ABC):
     num_host_blocks: int
     failure: str | None = None
     comm_seconds: float = 0.0
-    lora = None  # the LoRA adapters (a LoRAManager: add, remove, list, num_requests) with enable_lora, else None
+    lora = None  # the LoRA adapters (a LoRAManager: add, remove, list) with enable_lora, else None
 
     @abc.abstractmethod
     def describe(self) -> ExecutorSetup:

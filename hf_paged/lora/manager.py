@@ -58,7 +58,6 @@ class LoRAManager:
         self.plan: StepPlan | None = None
         self._layers: dict[str, torch.nn.Module] = {}  # the engine layers whose ``lora`` a step sets (bind)
         self._set: list[torch.nn.Module] = []  # the layers with their slot set for this step
-        self.num_requests: dict[int, int] = {}  # adapter id -> steps' sequences that ran with it (metrics)
 
     # -- adapters -------------------------------------------------------------------------------------
     def add(self, request: LoRARequest) -> bool:
@@ -134,8 +133,6 @@ class LoRAManager:
         token_slots: list[int] = []
         for lora_id, n in rows:
             token_slots.extend([slot_of[lora_id] if lora_id else -1] * n)
-            if lora_id:
-                self.num_requests[lora_id] = self.num_requests.get(lora_id, 0) + 1
         self.plan = plan_step(token_slots, device)
         # the slot goes on the layers this step's adapters adapt, and comes off after the forward
         names = set().union(*(self._slot_names[slot] for slot in slot_of.values()))
