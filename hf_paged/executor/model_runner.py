@@ -150,8 +150,8 @@ class ModelRunner:
             return self.eager.forward(step, model)
         if self.lora is not None and any(item.lora_int_id for item in step.scheduled):
             # the step's adapter of each row, for every slot; cleared after, so a draft model's forward runs base
-            self.lora.set_step([(item.lora_int_id, item.num_new_tokens) for item in step.scheduled], self.device)
             try:
+                self.lora.set_step([(item.lora_int_id, item.num_new_tokens) for item in step.scheduled], self.device)
                 return self.eager.run(step)
             finally:
                 self.lora.clear_step()
