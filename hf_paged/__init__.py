@@ -36,7 +36,7 @@ _EXPORTS = {
     "StructuredOutputsParams": "hf_paged.structured_params",
     "load_gguf": "hf_paged.model.gguf_loader",
     "pipeline": "hf_paged.hf.pipeline",
-    "quantize_model": "hf_paged.cpu.quantize_model",
+    "quantize_model": "hf_paged.model.layers.quantize",
     "unwrap": "hf_paged.hf.wrap",
     "wrap": "hf_paged.hf.wrap",
 }

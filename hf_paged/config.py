@@ -11,9 +11,9 @@ from hf_paged.core.prefill_pacer import check_max_itl_ratio
 from hf_paged.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, check_long_prefill_token_threshold
 from hf_paged.kernels.ops import BACKENDS
 from hf_paged.kernels.kv_quant import check_kv_cache_dtype
-from hf_paged.cpu.packed_linear import KIND_NAMES as PACKING_KIND_NAMES
-from hf_paged.cpu.packed_linear import KINDS as PACKING_KINDS
-from hf_paged.cpu.quantize_model import check_quantization
+from hf_paged.kernels.cpu.packed_linear import KIND_NAMES as PACKING_KIND_NAMES
+from hf_paged.kernels.cpu.packed_linear import KINDS as PACKING_KINDS
+from hf_paged.model.layers.quantize import check_quantization
 from hf_paged.spec_decode.config import SpeculativeConfig
 
 
@@ -99,13 +99,13 @@ class EngineConfig:
         decode_runner: How decode steps (every sequence adds 1 token, or 1 + k when verifying drafts) run
             when not ``enforce_eager``: "auto" (CUDA graphs on CUDA; on CPU the native decode program where
             the model fits it, else the dynamic eager path), "native" (the step's kernel calls recorded once
-            and replayed, no padding: :mod:`hf_paged.cpu.native_program`; error if the model does not fit),
+            and replayed, no padding: :mod:`hf_paged.executor.native_program`; error if the model does not fit),
             "cuda_graphs", "inductor" (``torch.compile`` per bucket, cached on disk; turns weight packing off)
             or "static" (padded buckets run eagerly: the CPU twin of the graphs).
         decode_buckets: Batch sizes decode steps are padded up to (positive, increasing, at most
             ``max_num_seqs``). None: 1, 2, 4, 8, 16, 32, 48, ... up to ``max_num_seqs``.
         quantization: Quantize the model's linear layers at start, weight-only, for the CPU kernels of
-            :mod:`hf_paged.cpu.quant_linear`: "int8" (per output channel) or "int4" (groups of 32 with a scale
+            :mod:`hf_paged.model.layers.quant_linear`: "int8" (per output channel) or "int4" (groups of 32 with a scale
             and a min), the LM head as q8_0 in both cases. None: the weights as they are. The original layers
             come back at the last ``close()``. See docs/quantization.md.
         quant_activations: The quantized linears' kernel mode: "float" (fp32 activations, the exact reference),
@@ -114,7 +114,7 @@ class EngineConfig:
             with one warning): faster, slightly different numbers; or "auto": the fastest of those whose kernel
             works here (bf16 only with AMX-BF16), timed once at start on one of the model's quantized layers at
             1, 16 and 64 rows (at most ``max_num_seqs``), float unless another is 10% faster
-            (:mod:`hf_paged.cpu.quant_modes`). Applies to the layers ``quantization`` makes and to a GGUF
+            (:mod:`hf_paged.model.layers.quant_modes`). Applies to the layers ``quantization`` makes and to a GGUF
             model's own.
         tensor_parallel_size: Processes the model is sharded over (tensor parallelism on ``torch.distributed``,
             gloo on CPU, NCCL on CUDA): the engine spawns ``N - 1`` workers, or joins ``torchrun``'s ranks.

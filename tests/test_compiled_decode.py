@@ -9,8 +9,8 @@ import torch
 from hf_paged import PagedGenerator, SamplingParams
 from hf_paged.kernels.cpu import attention as cpu_attention
 from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM
-from hf_paged.cpu.native_program import DecodeProgram
-from hf_paged.cpu.program_fit import why_not
+from hf_paged.executor.native_program import DecodeProgram
+from hf_paged.executor.program_fit import why_not
 from hf_paged.executor.decode_buckets import check_buckets, default_buckets
 from tests.arch_configs import make_arch_model
 from tests.helpers import make_model, make_prompts, stock_greedy

@@ -107,14 +107,14 @@ def test_fused_engine_matches_stock_generate(arch, monkeypatch):
     for prompt, out in zip(prompts, outs):
         assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, 24)
     # given back on close: the layers run transformers' forward again
-    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    assert not any(type(layer).__name__.startswith("Fused") for layer in model.model.layers)
 
 
 def test_off_and_unfusable_models_keep_transformers_layers():
     model = make_model("llama", seed=5)
     with PagedGenerator(model, num_blocks=32, fuse_layers=False) as engine:
         assert engine.fused is None
-        assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+        assert not any(type(layer).__name__.startswith("Fused") for layer in model.model.layers)
     gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16,
@@ -143,12 +143,12 @@ def test_shared_by_engines_and_plain_forwards_untouched():
     with torch.no_grad():  # outside an engine forward the layers run transformers' code
         torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
     first.close()
-    assert all("forward" in layer.__dict__ for layer in model.model.layers)  # the other engine still holds it
+    assert all(type(layer).__name__.startswith("Fused") for layer in model.model.layers)  # the other engine still holds it
     prompt = ids[0].tolist()
     out = second.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == stock_greedy(model, prompt, 8)
     second.close()
-    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    assert not any(type(layer).__name__.startswith("Fused") for layer in model.model.layers)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
@@ -156,7 +156,7 @@ def test_fused_layers_run_qkv_and_gate_up_as_one_gemm_each(arch):
     """With packed linears the fused forward runs q/k/v as one GEMM and gate/up as another (memory: the members'
     own packs are dropped), follows a weight changed between steps, and a member called on its own (a forward
     outside the fused path) packs itself again."""
-    from hf_paged.cpu.fused_layers import GATE_UP, QKV
+    from hf_paged.model.layers.fused_decoder import GATE_UP, QKV
 
     model = make_model(arch, seed=7)
     prompts = make_prompts(3, lengths=[5, 18, 33], seed=7)

@@ -9,7 +9,7 @@ import pytest
 from hf_paged import EngineConfig
 from hf_paged.kernels.cpu import isa
 from hf_paged.kernels.cpu.native import NativeLibrary
-from hf_paged.cpu.quant_linear import _FUNCTIONS
+from hf_paged.model.layers.quant_linear import _FUNCTIONS
 
 ZEN3 = frozenset("sse4_2 avx avx2 fma f16c bmi2".split())
 ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
@@ -71,7 +71,7 @@ def test_forced_avx2_caps_torch_and_is_reported():
     env = {**os.environ, isa.ENV: "avx2"}
     for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
         env.pop(name, None)
-    code = ("import hf_paged, os, torch; from hf_paged.cpu import isa; "
+    code = ("import hf_paged, os, torch; from hf_paged.kernels.cpu import isa; "
             "print(torch.backends.cpu.get_cpu_capability(), os.environ['ONEDNN_MAX_CPU_ISA'], isa.describe())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.split()[:3] == ["AVX2", "AVX2", "avx2"]

@@ -11,8 +11,8 @@ import torch
 from transformers.models.llama import modeling_llama
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.cpu.fused_layers import FusedLayers, _why_not
-from hf_paged.cpu.program_fit import why_not
+from hf_paged.model.layers.fused_decoder import FusedLayers, _why_not
+from hf_paged.executor.program_fit import why_not
 from tests.helpers import make_model, make_prompts, stock_greedy
 
 NATIVE = dict(prepack_weights="native")  # the packing the native program runs on (as in test_native_program)

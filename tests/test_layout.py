@@ -31,10 +31,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("serving", ("hf_paged.serving", "hf_paged.ui")),
     ("api", ("hf_paged", "hf_paged._moved", "hf_paged.hf")),
     ("engine", ("hf_paged.engine",)),
-    ("execution", ("hf_paged.executor", "hf_paged.sample", "hf_paged.structured", "hf_paged.spec_decode",
-                   # the native decode program is a step runner (its files move with the owned-layers rewrite)
-                   "hf_paged.cpu.native_program", "hf_paged.cpu.program_fit")),
-    # the CPU model layers (packed, quantized, fused) stay in cpu/ until the owned-layers rewrite moves them
+    ("execution", ("hf_paged.executor", "hf_paged.sample", "hf_paged.structured", "hf_paged.spec_decode")),
+    # loading, the engine's layer objects (model/layers/), and hf_paged.cpu: the old paths' package (empty)
     ("model", ("hf_paged.model", "hf_paged.cpu", "hf_paged.lora")),
     # the function transformers calls in each attention layer, and the backend objects it runs
     ("attention", ("hf_paged.attention",)),
@@ -54,8 +52,8 @@ UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("hf_paged.config", "hf_paged.kernels.ops"): "attention backend names",
     ("hf_paged.config", "hf_paged.kernels.kv_quant"): "kv_cache_dtype check",
     ("hf_paged.config", "hf_paged.kernels.cpu.isa"): "ISA level check",
-    ("hf_paged.config", "hf_paged.cpu.packed_linear"): "packing kind names",
-    ("hf_paged.config", "hf_paged.cpu.quantize_model"): "quantization format check",
+    ("hf_paged.config", "hf_paged.kernels.cpu.packed_linear"): "packing kind names",
+    ("hf_paged.config", "hf_paged.model.layers.quantize"): "quantization format check",
     ("hf_paged.config", "hf_paged.spec_decode.config"): "SpeculativeConfig, a plain dataclass",
     # StructuredOutputsParams checks its constraint when built; the checks are pure Python (xgrammar is loaded
     # lazily) and live with the rest of the structured-output code

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.cpu import packed_linear
+from hf_paged.kernels.cpu import packed_linear
 from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM
 from tests.helpers import make_model, make_prompts, stock_greedy
 

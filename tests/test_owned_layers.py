@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.cpu.quant_linear import QuantLinear
+from hf_paged.model.layers.quant_linear import QuantLinear
 from hf_paged.model.layers.linear import DenseLinear, engine_linears
 from tests.helpers import make_model, make_prompts, stock_greedy
 

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 from hf_paged.attention.function import engine_forward
 from hf_paged.kernels.cpu import native_gemm
-from hf_paged.cpu import packed_linear
+from hf_paged.kernels.cpu import packed_linear
 from hf_paged.kernels.cpu.native import NativeLibrary
-from hf_paged.cpu.packed_linear import NativePackedWeight, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight
-from hf_paged.cpu.packed_model import PackedLinears
+from hf_paged.kernels.cpu.packed_linear import NativePackedWeight, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight
+from hf_paged.model.layers.packed import PackedLinears
 from hf_paged.model.layers.linear import DenseLinear, OwnedLinears
 
 needs_mkl = pytest.mark.skipif(not packed_linear.available("mkl"), reason="torch without MKL's packed sgemm")
@@ -262,7 +262,7 @@ def test_inference_tensor_weights_are_not_packed(kind, monkeypatch):
     import transformers
 
     from hf_paged import PagedGenerator, SamplingParams
-    from hf_paged.cpu import packed_model
+    from hf_paged.model.layers import packed as packed_model
     from tests.helpers import stock_greedy
 
     monkeypatch.setattr(packed_model, "fastest_kind", lambda *a, **k: kind)
@@ -292,7 +292,7 @@ def test_bad_prepack_value_leaves_model_untouched():
 
 
 def test_packing_choice_margins():
-    from hf_paged.cpu.packed_linear import choose_kind
+    from hf_paged.kernels.cpu.packed_linear import choose_kind
 
     assert choose_kind({"torch": 100, "onednn": 95, "native": 97}) == "torch"  # not clearly faster than F.linear
     assert choose_kind({"torch": 100, "onednn": 80, "native": 70}) == "native"

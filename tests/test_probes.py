@@ -9,7 +9,7 @@ import torch
 
 from hf_paged import PagedGenerator, SamplingParams
 from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops, probes
-from hf_paged.cpu import packed_linear
+from hf_paged.kernels.cpu import packed_linear
 from tests.helpers import make_model, make_prompts, stock_greedy
 
 PROMPTS = make_prompts(4, [1, 9, 40, 70], seed=3)
@@ -180,7 +180,7 @@ def test_env_prints_no_fallback_warning_before_its_report(capsys, caplog, monkey
     """A quantized-linear mode that falls back here (bf16 without AMX) is a line of the report, not a warning
     printed above it; a layer that then runs in that mode still warns, once."""
     from hf_paged.cli import main
-    from hf_paged.cpu import quant_linear as ql
+    from hf_paged.model.layers import quant_linear as ql
 
     def no_amx(dtype):
         raise RuntimeError("no AMX-BF16 tiles here (test)")

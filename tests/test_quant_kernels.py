@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_paged.cpu import quant_linear as ql
-from hf_paged.cpu.quant_linear import FORMATS, QuantLinear, dequantize_torch, quantize_activations, round_bf16
+from hf_paged.model.layers import quant_linear as ql
+from hf_paged.model.layers.quant_linear import FORMATS, QuantLinear, dequantize_torch, quantize_activations, round_bf16
 
 FLOAT_LIBS = {"host": ql.QUANT_GEMM, "avx2": ql.QUANT_GEMM_AVX2}
 Q8_LIBS = {"host": ql.QUANT_Q8, "no_amx": ql.QUANT_Q8_NO_AMX, "avx2": ql.QUANT_Q8_AVX2}
@@ -188,7 +188,7 @@ def test_bf16_build_without_amx_says_so_and_the_mode_falls_back_to_float(monkeyp
     monkeypatch.setattr(ql, "_warned", set())
     ql.probes.reset("linear.quant_bf16")
     try:
-        with caplog.at_level("WARNING", logger="hf_paged.cpu.quant_linear"):
+        with caplog.at_level("WARNING", logger="hf_paged.model.layers.quant_linear"):
             fn, mode = ql.kernel("bf16")
             ql.kernel("bf16")
         assert mode == "float" and fn == ql.QUANT_GEMM.load().hfq_linear

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_paged.cpu import quant_linear as ql
-from hf_paged.cpu.quant_linear import FORMATS, QuantLinear
+from hf_paged.model.layers import quant_linear as ql
+from hf_paged.model.layers.quant_linear import FORMATS, QuantLinear
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -100,7 +100,7 @@ def test_torch_fallback_warns_once(monkeypatch, caplog):
     monkeypatch.setattr(ql, "_warned", set())
     ql.probes.reset("linear.quant")
     try:
-        with caplog.at_level(logging.WARNING, logger="hf_paged.cpu.quant_linear"):
+        with caplog.at_level(logging.WARNING, logger="hf_paged.model.layers.quant_linear"):
             for _ in range(3):
                 torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
     finally:

@@ -9,8 +9,8 @@ import hf_paged
 from hf_paged import EngineConfig, PagedGenerator, SamplingParams
 from hf_paged.cli import build_parser
 from hf_paged.cli.engine import engine_options
-from hf_paged.cpu import quant_modes
-from hf_paged.cpu.quant_linear import QuantLinear
+from hf_paged.model.layers import quant_modes
+from hf_paged.model.layers.quant_linear import QuantLinear
 from tests.helpers import make_model, make_prompts
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hf_paged import EngineConfig, PagedGenerator, SamplingParams
-from hf_paged.cpu.quant_linear import QuantLinear
-from hf_paged.cpu.quantize_model import QuantizedLinears
+from hf_paged.model.layers.quant_linear import QuantLinear
+from hf_paged.model.layers.quantize import QuantizedLinears
 from tests.helpers import make_model, make_prompts, stock_greedy
 
 
@@ -260,7 +260,7 @@ def test_bf16_model_with_quantized_weights_runs_the_program_in_bf16():
     """A bf16 model quantized at start, in the bf16 kernel mode: where that mode's kernel runs (AMX-BF16), the
     native decode program runs it on the model's bf16 buffers (bf16 in, bf16 out) and gives the eager engine's
     tokens; elsewhere the program stands aside and says why."""
-    from hf_paged.cpu import quant_linear
+    from hf_paged.model.layers import quant_linear
 
     model = make_model(seed=12, dtype=torch.bfloat16)
     prompts = make_prompts(4, lengths=[3, 10, 25, 41], seed=6)

@@ -88,7 +88,7 @@ def test_greedy_parity_with_stock_generate_and_one_process(arch):
 def test_composes_with_quantization_and_fast_step_runners(arch, settings):
     """The collectives are part of the layers (ParallelLinear), so each rank quantizes its slices and replays its
     steps on the native program or decode buckets, and the tokens are the one-process engine's."""
-    from hf_paged.cpu.quant_linear import QuantLinear
+    from hf_paged.model.layers.quant_linear import QuantLinear
     from hf_paged.model.layers.parallel import ParallelLinear
 
     model = make_model(arch)

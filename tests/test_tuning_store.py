@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from hf_paged.cpu import packed_linear
+from hf_paged.kernels.cpu import packed_linear
 from hf_paged.kernels.cpu import tuning_store
 
 SHAPE = (48, 40)  # a shape no other test times

@@ -98,7 +98,7 @@ def _gpus() -> list[str]:
 def kernel_choices(dtype: torch.dtype, device: str = "cpu") -> dict[str, str]:
     """The linear and attention kernels the engine uses for ``dtype`` on ``device``, each with its reason."""
     from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops
-    from hf_paged.cpu import packed_linear
+    from hf_paged.kernels.cpu import packed_linear
     from hf_paged.kernels.ops import resolve_backend
 
     if device == "cuda":
@@ -121,8 +121,8 @@ def kernel_choices(dtype: torch.dtype, device: str = "cpu") -> dict[str, str]:
 
 
 def _quantized_modes() -> dict[str, str]:
-    from hf_paged.cpu import quant_modes
-    from hf_paged.cpu.quant_linear import describe_modes
+    from hf_paged.model.layers import quant_modes
+    from hf_paged.model.layers.quant_linear import describe_modes
 
     return {**describe_modes(), "auto": quant_modes.describe()}
 

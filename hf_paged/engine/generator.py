@@ -115,12 +115,12 @@ class PagedGenerator(GeneratorClients, StructuredIntake, LoRAIntake):
 
     @property
     def packed(self):
-        """The model's packed linears (:class:`~hf_paged.cpu.packed_model.PackedLinears`), or None."""
+        """The model's packed linears (:class:`~hf_paged.model.layers.packed.PackedLinears`), or None."""
         return self.executor.describe().packed
 
     @property
     def fused(self):
-        """The model's fused decoder layers (:class:`~hf_paged.cpu.fused_layers.FusedLayers`), or None."""
+        """The model's fused decoder layers (:class:`~hf_paged.model.layers.fused_decoder.FusedLayers`), or None."""
         return self.executor.describe().fused
 
     # -- intake -------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ _NO_MASK = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
 def resolve_mode(mode: str, enforce_eager: bool, device: torch.device, backend: str | None = None) -> str | None:
     """The decode mode to use, or None for the dynamic eager path only.
 
-    "auto" is CUDA graphs on CUDA and the native decode program (:mod:`hf_paged.cpu.native_program`: the
+    "auto" is CUDA graphs on CUDA and the native decode program (:mod:`hf_paged.executor.native_program`: the
     step's kernel calls recorded once and replayed, no padding) on CPU, where the model fits it; the engine
     falls back to the dynamic eager path where it does not. The padded static forward and inductor measured
     no faster than the dynamic path with packed linears on an AVX2 host (docs/performance_log.md), inductor at

@@ -40,9 +40,9 @@ from hf_paged.executor.kv_pool import KVPool
 from hf_paged.sample.sampling import Sampler
 
 if TYPE_CHECKING:
-    from hf_paged.cpu.fused_layers import FusedLayers
-    from hf_paged.cpu.packed_model import PackedLinears
-    from hf_paged.cpu.quantize_model import QuantizedLinears
+    from hf_paged.model.layers.fused_decoder import FusedLayers
+    from hf_paged.model.layers.packed import PackedLinears
+    from hf_paged.model.layers.quantize import QuantizedLinears
 
 logger = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ from hf_paged.model import patches as model_patches
 from hf_paged.attention.layer import AttentionLayers
 from hf_paged.config import EngineConfig
 from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops
-from hf_paged.cpu import packed_linear
-from hf_paged.cpu.fused_layers import FAMILIES, FusedLayers
-from hf_paged.cpu.native_program import DecodeProgram
-from hf_paged.cpu.packed_model import PackedLinears
-from hf_paged.cpu.program_fit import hooks, skipped_modules, why_not
-from hf_paged.cpu.quant_linear import QuantLinear
-from hf_paged.cpu.quantize_model import QuantizedLinears
+from hf_paged.kernels.cpu import packed_linear
+from hf_paged.model.layers.fused_decoder import FAMILIES, FusedLayers
+from hf_paged.executor.native_program import DecodeProgram
+from hf_paged.model.layers.packed import PackedLinears
+from hf_paged.executor.program_fit import hooks, skipped_modules, why_not
+from hf_paged.model.layers.quant_linear import QuantLinear
+from hf_paged.model.layers.quantize import QuantizedLinears
 from hf_paged.lora.attach import adaptable_linears, attach_slots
 from hf_paged.lora.manager import LoRAManager
 from hf_paged.model.default_model import load_model
@@ -198,7 +198,7 @@ def make_fast_runner(model, cfg: EngineConfig, pool: KVPool, layers: AttentionLa
         why = f"it needs the native CPU attention (backend {backend!r}, {cpu_attention.unavailable_reason(pool.cache_dtype) or 'pool layout'})"
     program = None
     if not why:
-        program = DecodeProgram(model, pool.kv_caches, min(cfg.max_num_seqs * cpu_attention.MAX_Q, cfg.max_num_batched_tokens))
+        program = DecodeProgram(model, layers, min(cfg.max_num_seqs * cpu_attention.MAX_Q, cfg.max_num_batched_tokens))
         if not hooks(skipped_modules(model)):  # a module hook is passing (steps run eagerly while it is there); else record now
             why = program.prepare()
     if why:

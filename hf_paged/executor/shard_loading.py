@@ -94,7 +94,7 @@ class ModelSource:
 
 def _quantized_specs(model: torch.nn.Module) -> dict[str, dict]:
     """How to rebuild each quantized module of ``model`` (empty): its class and shapes."""
-    from hf_paged.cpu.quant_linear import QuantEmbedding, QuantLinear
+    from hf_paged.model.layers.quant_linear import QuantEmbedding, QuantLinear
 
     specs = {}
     for name, m in model.named_modules():
@@ -108,7 +108,7 @@ def _quantized_specs(model: torch.nn.Module) -> dict[str, dict]:
 
 
 def _empty_quantized(spec: dict) -> torch.nn.Module:
-    from hf_paged.cpu.quant_linear import QuantEmbedding, QuantLinear
+    from hf_paged.model.layers.quant_linear import QuantEmbedding, QuantLinear
 
     qweight = torch.empty(spec["rows"], dtype=torch.uint8, device="meta")
     if spec["kind"] == "embedding":

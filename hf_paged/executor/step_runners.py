@@ -5,7 +5,7 @@ by its kind (``accepts``):
 - :class:`EagerStepRunner`: the model's own HF forward over the packed ragged batch; serves every step.
 - :class:`~hf_paged.executor.decode_buckets.DecodeBuckets`: uniform decode steps padded into buckets and
   replayed as CUDA graphs, inductor graphs or static eager forwards.
-- :class:`~hf_paged.cpu.native_program.DecodeProgram`: on CPU, steps whose sequences all take the native
+- :class:`~hf_paged.executor.native_program.DecodeProgram`: on CPU, steps whose sequences all take the native
   attention, replayed as the recorded list of C kernel calls.
 
 A fast runner may still decline a step it accepted (``run`` returns None: a bucket failed to build, a module

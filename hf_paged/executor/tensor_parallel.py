@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_paged.cpu.quant_formats import BLOCK_BYTES, GROUP
-from hf_paged.cpu.quant_linear import QuantLinear
+from hf_paged.kernels.cpu.quant_formats import BLOCK_BYTES, GROUP
+from hf_paged.model.layers.quant_linear import QuantLinear
 from hf_paged.model.hf_config import text_config
 from hf_paged.model.layers.parallel import COMM, CommStats, ParallelLinear  # noqa: F401 - COMM re-exported
 

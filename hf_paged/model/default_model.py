@@ -88,7 +88,7 @@ def load_default(dtype: torch.dtype | str = torch.float32, device: str | torch.d
         dtype: ``torch.float32`` (default), ``torch.bfloat16``, or the strings "fp32"/"bf16"/"fp16".
         device: Where to put the weights.
         quantized: Keep the GGUF file's Q4_1 (and Q8_0 embedding) weights as they are stored, in
-            :class:`~hf_paged.cpu.quant_linear.QuantLinear` layers (CPU only; see docs/quantization.md), instead
+            :class:`~hf_paged.model.layers.quant_linear.QuantLinear` layers (CPU only; see docs/quantization.md), instead
             of the fp32 weights dequantized from them.
 
     Returns:

@@ -2,7 +2,7 @@
 
 ``transformers`` reads GGUF files by dequantizing every tensor to floats. :func:`load_gguf` builds the same
 model (same config, same classes, same tensor-name mapping and Llama Q/K row permutation) but puts each
-Q8_0 / Q4_0 / Q4_1 linear weight into a :class:`~hf_paged.cpu.quant_linear.QuantLinear` holding the file's
+Q8_0 / Q4_0 / Q4_1 linear weight into a :class:`~hf_paged.model.layers.quant_linear.QuantLinear` holding the file's
 bytes as they are (no fp32 copy); a quantized token embedding becomes a :class:`QuantEmbedding` (rows
 dequantized as they are looked up) and, where the LM head is tied to it, the head a ``QuantLinear`` over the
 same bytes. F32 / F16 / BF16 tensors load as floats of ``dtype``. Other quantized types (Q4_K, Q6_K, ...)
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hf_paged.cpu.quant_linear import BLOCK_BYTES, GROUP, QuantEmbedding, QuantLinear
+from hf_paged.model.layers.quant_linear import BLOCK_BYTES, GROUP, QuantEmbedding, QuantLinear
 
 logger = logging.getLogger(__name__)
 

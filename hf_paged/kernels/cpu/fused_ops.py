@@ -4,7 +4,7 @@ RMSNorm (optionally after the residual add) and rotary embedding of q and k in p
 one pass over the rows where the torch code takes several ops and their Python dispatch; and the row argmax of
 greedy sampling (probed on its own, ``sampling.argmax``). Built by :mod:`hf_paged.kernels.cpu.native` with ``-ffp-contract=off`` and rounded op by op like the
 torch code they replace; each dtype is probed once against that torch code (:mod:`hf_paged.kernels.cpu.probes`)
-and :func:`available` is False where the build or the probe fails. Used by :mod:`hf_paged.cpu.fused_layers`.
+and :func:`available` is False where the build or the probe fails. Used by :mod:`hf_paged.model.layers.fused_decoder`.
 """
 
 from __future__ import annotations

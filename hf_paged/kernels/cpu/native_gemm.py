@@ -1,8 +1,8 @@
 """Our own GEMM for packed CPU linears (``csrc/gemm_cpu.c``): the ``"native"`` kind of
-:mod:`hf_paged.cpu.packed_linear`, fp32 everywhere and bf16 on CPUs with AVX-512 BF16.
+:mod:`hf_paged.kernels.cpu.packed_linear`, fp32 everywhere and bf16 on CPUs with AVX-512 BF16.
 
 Layouts, prefetching and measurements: docs/cpu.md. The library is built and loaded by
-:mod:`hf_paged.kernels.cpu.native` and probed with the other packings in :mod:`hf_paged.cpu.packed_linear`.
+:mod:`hf_paged.kernels.cpu.native` and probed with the other packings in :mod:`hf_paged.kernels.cpu.packed_linear`.
 """
 
 from __future__ import annotations

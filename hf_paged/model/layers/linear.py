@@ -6,8 +6,8 @@ At engine start :class:`OwnedLinears` replaces every plain ``nn.Linear`` of the 
 layer computes is then decided by the layer object, once, at start:
 
 - :class:`DenseLinear` (fp32/bf16/fp16): ``F.linear``, or on CPU inside engine forwards the packed weight the
-  engine chose for its dtype (:mod:`hf_paged.cpu.packed_model` sets :attr:`DenseLinear.packer`);
-- :class:`~hf_paged.cpu.quant_linear.QuantLinear` (int8, and the GGUF block formats q8_0/q4_0/q4_1): the engine
+  engine chose for its dtype (:mod:`hf_paged.model.layers.packed` sets :attr:`DenseLinear.packer`);
+- :class:`~hf_paged.model.layers.quant_linear.QuantLinear` (int8, and the GGUF block formats q8_0/q4_0/q4_1): the engine
   quantizing at start swaps the ``DenseLinear`` for it; a GGUF model or ``quantize_model`` brings it already;
 - a tensor-parallel rank's slice sits inside a :class:`~hf_paged.model.layers.parallel.ParallelLinear`, which
   runs the collective after it.
@@ -139,7 +139,7 @@ def engine_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(qualified name, layer)`` for every linear layer object of ``model`` that computes (``DenseLinear``,
     ``QuantLinear``): the objects whose ``lora`` slot a LoRA manager sets. A tensor-parallel slice is named as
     its ``ParallelLinear`` (``...o_proj``, not ``...o_proj.base``)."""
-    from hf_paged.cpu.quant_linear import QuantLinear
+    from hf_paged.model.layers.quant_linear import QuantLinear
     from hf_paged.model.layers.parallel import ParallelLinear
 
     out = []

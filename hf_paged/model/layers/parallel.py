@@ -11,7 +11,7 @@ a slice's output is not the layer's output, the layer itself finishes it:
 Column-parallel linears (q/k/v, gate/up) need nothing after them: they stay plain linears of their slice.
 
 :class:`ParallelLinear` is that layer: it wraps the rank's linear (``base``: an ``nn.Linear``, packed or not, or
-a :class:`~hf_paged.cpu.quant_linear.QuantLinear` once the engine quantizes it) and runs the collective after
+a :class:`~hf_paged.model.layers.quant_linear.QuantLinear` once the engine quantizes it) and runs the collective after
 it. Because the collective is part of the layer, and not a hook on a module, every way of computing the layer
 keeps it: quantizing ``base`` at engine start (the quantizer swaps the child), packing it, the fused CPU decoder
 layers (which call o_proj and down_proj as modules) and the native decode program (which runs ``base`` as a C

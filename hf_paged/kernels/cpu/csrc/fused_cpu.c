@@ -12,7 +12,7 @@
  * fp32 and bf16 loops are written for the compiler's vectorizer (bf16 is a 16-bit shift to fp32 and a
  * branch-free round-to-nearest-even back), so each build gets the host's vector width; fp16 stays scalar.
  *
- * Built and loaded like paged_attention_cpu.c (hf_paged/cpu/fused_ops.py), called through ctypes.
+ * Built and loaded like paged_attention_cpu.c (hf_paged/kernels/cpu/fused_ops.py), called through ctypes.
  * Row strides are in elements; the last dimension of every tensor is contiguous.
  */
 #include <math.h>

@@ -17,7 +17,7 @@
  * Every output is summed over k in order 0..K-1, one multiply-add per term (fused where the CPU has FMA),
  * whatever M is: a row's result does not depend on the other rows of the batch.
  *
- * Built and loaded like paged_attention_cpu.c (NATIVE_GEMM in hf_paged/cpu/packed_linear.py), through ctypes.
+ * Built and loaded like paged_attention_cpu.c (NATIVE_GEMM in hf_paged/kernels/cpu/native_gemm.py), through ctypes.
  */
 #include <omp.h>
 #include <stdint.h>

@@ -3,7 +3,7 @@
  * block pool, once, with an online softmax in fp32. Meant for short query lengths (decode, speculative
  * verification); long prefill chunks go through SDPA, where the matmuls dominate.
  *
- * Built on first use by hf_paged/cpu/attention.py with the host compiler (-O3 -march=native
+ * Built on first use by hf_paged/kernels/cpu/attention.py with the host compiler (-O3 -march=native
  * -fopenmp) and called through ctypes. What -march=native enables picks the code: 16-float vectors and a
  * masked vector exp with AVX-512, 8-float vectors and an AVX2 exp without it, scalar exp elsewhere; bf16
  * scores straight from the bf16 rows (VDPBF16PS) with AVX-512 BF16. Per (row, block), keys visible to every

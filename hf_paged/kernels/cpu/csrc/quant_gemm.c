@@ -10,7 +10,7 @@
  * and whatever other rows share the batch, so a row's result does not depend on the batch.
  *
  * Threads split the output rows (OpenMP). Built for the host like gemm_cpu.c (AVX2+FMA, AVX-512 where present:
- * the vector width follows the compiler's target) and loaded through ctypes by hf_paged/cpu/quant_linear.py.
+ * the vector width follows the compiler's target) and loaded through ctypes by hf_paged/model/layers/quant_linear.py.
  */
 #include "quant_common.h"
 #include <math.h>

@@ -13,7 +13,7 @@
  * Threads split the output rows, 4 weight rows at a time; each 4 x 4 (or 4 x 2 without AVX-512) tile of x rows
  * and weight rows keeps its sums in registers and unpacks each weight block once for all its x rows. Every
  * output is computed by the same operations in the same order whatever M is (a row's result does not depend on
- * the batch). Built for the host, loaded through ctypes by hf_paged/cpu/quant_linear.py.
+ * the batch). Built for the host, loaded through ctypes by hf_paged/model/layers/quant_linear.py.
  */
 #include "quant_common.h"
 #include <math.h>

@@ -1,7 +1,7 @@
 """The model side of packed linears: which of the engine's linear layers run through which pack.
 
 :class:`PackedLinears` gives every CPU fp32/bf16/fp16 :class:`~hf_paged.model.layers.linear.DenseLinear` the
-packer of its dtype (:mod:`hf_paged.cpu.packed_linear`); the layer uses its pack inside engine forwards only.
+packer of its dtype (:mod:`hf_paged.kernels.cpu.packed_linear`); the layer uses its pack inside engine forwards only.
 :class:`PackedGroup` packs sibling projections that read the same input (q/k/v, gate/up) as one weight, for the
 fused decoder layers.
 """
@@ -13,7 +13,7 @@ import logging
 import torch
 
 from hf_paged.model.layers.linear import DenseLinear
-from hf_paged.cpu.packed_linear import (
+from hf_paged.kernels.cpu.packed_linear import (
     CANDIDATES, KIND_NAMES, PACKERS, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight, available, fastest_kind,
 )
 

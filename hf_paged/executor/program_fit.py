@@ -1,12 +1,12 @@
-"""Which models the native decode program (:mod:`hf_paged.cpu.native_program`) can run, and which of their
+"""Which models the native decode program (:mod:`hf_paged.executor.native_program`) can run, and which of their
 modules it skips (whose forward hooks the eager fused forward would run)."""
 
 from __future__ import annotations
 
 import torch
 
-from hf_paged.cpu.fused_layers import family_classes, family_of, not_family
-from hf_paged.cpu.quant_linear import QuantEmbedding, QuantLinear, kernel
+from hf_paged.model.layers.fused_decoder import family_classes, family_of, not_family
+from hf_paged.model.layers.quant_linear import QuantEmbedding, QuantLinear, kernel
 from hf_paged.model.layers.linear import DenseLinear
 from hf_paged.model.layers.parallel import linear_of
 

@@ -22,12 +22,12 @@ for one, is in every x86 build of torch but raises on CPUs without AVX-512 BW/VL
 ``kind="auto"`` the fastest of plain ``F.linear`` and the packings that work is timed once on one of the
 model's weight shapes, with the weight coming from DRAM as in an engine step, and kept, per dtype.
 
-:class:`~hf_paged.cpu.packed_model.PackedLinears` swaps the ``forward`` of every plain fp32/bf16/fp16 ``nn.Linear`` of a model for one that
+:class:`~hf_paged.model.layers.packed.PackedLinears` swaps the ``forward`` of every plain fp32/bf16/fp16 ``nn.Linear`` of a model for one that
 uses the packed weight *only inside an engine forward* (``attention.engine_forward``) without autograd; any
 other call (training, a plain forward) runs the original ``forward``. A weight changed in place (optimizer
 step, ``load_state_dict``) or replaced is re-packed on its next use. :meth:`PackedLinears.remove` restores
 the modules. The packed copies cost about as much memory as the weights. (The model-level side, which
-modules run through which pack, is :mod:`hf_paged.cpu.packed_model`.)
+modules run through which pack, is :mod:`hf_paged.model.layers.packed`.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The CPU twin of a CUDA graph: a fused Llama-family decode step as a fixed list of native kernel calls.
 
-With the fused layers (:mod:`hf_paged.cpu.fused_layers`) and our own packed GEMM, a CPU decode step is ~12 C
+With the fused layers (:mod:`hf_paged.model.layers.fused_decoder`) and our own packed GEMM, a CPU decode step is ~12 C
 calls a layer; what remains around them is Python: transformers' model and layer ``forward`` calls, the
 module hooks machinery, each call's argument checks and tensor allocations, ~80 us a layer on the 2-core
 hosts, i.e. ~2.4 ms of a 30-layer batch-1 step. Like a CUDA graph, a :class:`DecodeProgram` records the step
@@ -25,13 +25,14 @@ import logging
 
 import torch
 
+from hf_paged.attention.layer import AttentionLayers
 from hf_paged.model import patches as model_patches
-from hf_paged.cpu.fused_layers import GATE_UP, QKV, window_getter
-from hf_paged.cpu.program_fit import DTYPES
-from hf_paged.cpu.program_fit import hooks, skipped_modules, why_not
+from hf_paged.model.layers.fused_decoder import GATE_UP, QKV
+from hf_paged.executor.program_fit import DTYPES
+from hf_paged.executor.program_fit import hooks, skipped_modules, why_not
 from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops
 from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
-from hf_paged.cpu.quant_program import QuantEmbedding, QuantLinear, QuantOp, quant_group
+from hf_paged.executor.quant_program import QuantEmbedding, QuantLinear, QuantOp, quant_group
 from hf_paged.model.layers.parallel import ParallelLinear, linear_of
 
 logger = logging.getLogger(__name__)
@@ -53,14 +54,15 @@ class DecodeProgram:
     """One model's decode steps replayed as native calls over persistent buffers (see the module docstring).
 
     Args:
-        model: A Llama/Mistral/Qwen2 causal LM (checked with :func:`hf_paged.cpu.program_fit.why_not`).
-        kv_caches: The engine pool's per-layer ``(k_cache, v_cache)``.
+        model: A Llama/Mistral/Qwen2 causal LM (checked with :func:`hf_paged.executor.program_fit.why_not`).
+        layers: The engine's attention layer objects (their pool tensors and the settings learned at start).
         max_rows: The most tokens a native step can have (``max_num_seqs`` x the longest native query).
     """
 
-    def __init__(self, model: torch.nn.Module, kv_caches, max_rows: int) -> None:
+    def __init__(self, model: torch.nn.Module, layers: AttentionLayers, max_rows: int) -> None:
         self.model = model
-        self.kv_caches = kv_caches
+        self.attention_layers = layers
+        self.kv_caches = layers.kv_caches
         self.max_rows = max_rows
         self.capacity = 0
         self.num_runs = 0  # steps replayed
@@ -71,7 +73,6 @@ class DecodeProgram:
         self._ops: list = []
         self._head_op = -1  # index of the LM head's GEMM in _ops (skipped when no row is sampled)
         self._groups: list = []
-        self._windows: list = []
         self.logits_capacity = 0
         self._rows, self._sampled = ctypes.c_int(0), ctypes.c_int(0)
         self._index: torch.Tensor | None = None
@@ -80,7 +81,6 @@ class DecodeProgram:
         self._tables, self._lens, self._cu, self._ids = (ctypes.c_void_p(0) for _ in range(4))
         self._table_stride, self._num_ids, self._max_q = ctypes.c_int64(0), ctypes.c_int(0), ctypes.c_int(0)
         self._act: list[torch.Tensor] = []  # [gate rows, up rows] of this step: read by the SiLU-mul op
-        self._layer_forwards: list = []
         self._packing = None
         self._same_objects: list = []  # (owner dict, key, object) read by the recording
         self._same_tensors: list = []  # (owner dict, key, tensor, version, address)
@@ -165,12 +165,6 @@ class DecodeProgram:
                 return False
         for group, pack in self._groups:
             if not group.usable() or group.pack is not pack:
-                return False
-        for window, value in self._windows:
-            if window() != value:
-                return False
-        for layer, forward in self._layer_forwards:  # the fused forward taken off (the layers run transformers')
-            if layer.__dict__.get("forward") is not forward:
                 return False
         return model_patches.current(self.model, "packing") is self._packing and not hooks(self._modules)
 
@@ -314,23 +308,22 @@ class DecodeProgram:
         head = linear_of(model.lm_head)  # a tensor-parallel shard: its vocabulary rows, gathered on rank 0 after
         local = logits if head is model.lm_head else torch.zeros(logits_capacity, head.out_features, dtype=dtype)
         ops: list = []
-        windows = []
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             seen += [_seen(layer._modules, k) for k in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")]
             seen += [_seen(attn._modules, k) for k in ("q_proj", "k_proj", "v_proj", "o_proj")]
             seen += [_seen(mlp._modules, k) for k in ("gate_proj", "up_proj", "down_proj")]
-            scalars.append((attn, "scaling", attn.scaling))
             if attn.head_dim != D:
                 raise _Unfit("decoder layers of different head sizes")
-            k_cache, v_cache = self.kv_caches[attn.layer_idx]
+            paged = self.attention_layers[attn.layer_idx]  # settings learned at start, as the fused layers use
+            if paged.softcap is not None:
+                raise _Unfit("an attention softcap")
+            k_cache, v_cache = paged.k_cache, paged.v_cache
             int8_kv = k_cache.dtype == torch.int8  # rows of int8 values and their scale (kernels/kv_quant.py)
             if (k_cache.dtype not in (dtype, torch.int8) or v_cache.dtype != k_cache.dtype or not k_cache.is_contiguous()
                     or not v_cache.is_contiguous() or v_cache.shape != k_cache.shape or H % KVH
                     or tuple(k_cache.shape[2:]) != (KVH, D + 4 if int8_kv else D)):
                 raise _Unfit(f"layer {i}'s KV pool {tuple(k_cache.shape)} {k_cache.dtype} does not fit {KVH} x {D}")
-            window = window_getter(attn)
-            windows.append((window, window()))
             if i == 0:
                 ops.append(norm_op(layer.input_layernorm, X, Hn))
             else:  # this layer's input = the last one's residual + its MLP output, added in the norm's pass
@@ -358,7 +351,7 @@ class DecodeProgram:
             ops.append((attn_lib.hfp_paged_attention, (
                 QKVb.data_ptr(), qkv_w, D, k_cache.data_ptr(), v_cache.data_ptr(), self._tables, self._table_stride,
                 self._lens, self._cu, self._ids, self._num_ids, A.data_ptr(), q_w, D, H, KVH, D, k_cache.shape[1],
-                float(attn.scaling), int(windows[-1][1] or 0), 0.0, dt, cpu_attention.KV_DTYPE_CODES[k_cache.dtype],
+                float(paged.scale), int(paged.sliding_window or 0), 0.0, dt, cpu_attention.KV_DTYPE_CODES[k_cache.dtype],
                 self._max_q, threads,
             )))
             ops.extend(linear_ops(attn.o_proj, A, q_w, O))
@@ -380,11 +373,10 @@ class DecodeProgram:
         # -- all built: install (the KV pools stay referenced by the engine; the buffers and packs by the program)
         self._x, self._r, self._h, self._qkv, self._a, self._o, self._gate_up, self._m = X, R, Hn, QKVb, A, O, GU, M
         self._logits, self._head_op = logits, head_op
-        self._ops, self._scalars, self._groups, self._windows, self._keep = ops, scalars, groups, windows, keep
+        self._ops, self._scalars, self._groups, self._keep = ops, scalars, groups, keep
         self._same_objects = [entry[:3] for entry in seen if entry[4] is None]
         self._same_tensors = [entry for entry in seen if entry[4] is not None]
         self._modules = skipped_modules(model)
-        self._layer_forwards = [(layer, layer.__dict__.get("forward")) for layer in layers]
         self._packing = packing
         self.head_dim, self.intermediate, self.threads = D, inter, threads
         self.capacity, self.logits_capacity = capacity, logits_capacity

@@ -13,7 +13,7 @@ gate/up as another (``PackedLinears.group``): another ~5% per decode step at 64 
 
 Only layers whose classes and structure are known exactly are patched (transformers' own classes of the
 families below, by identity: a subclass or a remote-code copy of the same name may change the math; the four
-children, plain ``nn.Linear`` (or weight-only quantized :class:`~hf_paged.cpu.quant_linear.QuantLinear`, called as
+children, plain ``nn.Linear`` (or weight-only quantized :class:`~hf_paged.model.layers.quant_linear.QuantLinear`, called as
 modules) projections, SiLU activation, full-width "rotate half" rotary); every other
 call (outside the engine, GPU, autograd, a static-shape step, a rotary table of another width) runs the
 original forward. The patch belongs to the model (reference-counted, shared by its engines): while any engine
@@ -22,6 +22,7 @@ holds it, every engine forward on CPU takes it.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import logging
@@ -32,7 +33,7 @@ import torch
 from hf_paged.attention import function as attention
 from hf_paged.model import patches as model_patches
 from hf_paged.kernels.cpu import fused_ops
-from hf_paged.cpu.quant_linear import QuantLinear
+from hf_paged.model.layers.quant_linear import QuantLinear
 from hf_paged.model.layers.linear import DenseLinear
 from hf_paged.model.layers.parallel import linear_of
 
@@ -123,23 +124,36 @@ def _why_not(layer: torch.nn.Module) -> str:
 
 
 class FusedLayers:
-    """Gives every eligible decoder layer of ``model`` the fused forward (undone by :meth:`remove`)."""
+    """Puts a fused decoder layer object in place of every eligible decoder layer of ``model`` (undone by
+    :meth:`remove`).
+
+    The fused layer is a new object of a subclass of the layer's own transformers class (:func:`fused_class`)
+    sharing the original's parameter and submodule dicts, so ``state_dict`` keys and every child stay as they
+    are; :meth:`remove` puts the original objects back.
+    """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.layers: list[torch.nn.Module] = []
+        self._swapped: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]] = []
         skipped: dict[str, int] = {}
         layer_classes = tuple(classes["DecoderLayer"] for classes in family_classes().values())
-        for module in model.modules():
-            # candidates: the families' layers and their subclasses; other "...DecoderLayer"s (remote-code copies,
-            # other families) only for the log. _why_not decides by class identity.
-            if not isinstance(module, layer_classes) and not type(module).__name__.endswith("DecoderLayer"):
-                continue
-            why = _why_not(module)
-            if why:
-                skipped[why] = skipped.get(why, 0) + 1
-                continue
-            module.forward = _fused_forward(module, weakref.ref(model))
-            self.layers.append(module)
+        model_ref = weakref.ref(model)
+        for parent in list(model.modules()):
+            for name, module in list(parent.named_children()):
+                # candidates: the families' layers and their subclasses; other "...DecoderLayer"s (remote-code
+                # copies, other families) only for the log. _why_not decides by class identity.
+                if not isinstance(module, layer_classes) and not type(module).__name__.endswith("DecoderLayer"):
+                    continue
+                why = _why_not(module)
+                if why:
+                    skipped[why] = skipped.get(why, 0) + 1
+                    continue
+                fused = copy.copy(module)  # a new object whose __dict__ holds the same parameter and module dicts
+                fused.__class__ = fused_class(type(module))
+                fused._hfp_model = model_ref
+                setattr(parent, name, fused)
+                self._swapped.append((parent, name, module, fused))
+                self.layers.append(fused)
         if self.layers or skipped:
             logger.info("fused CPU forward on %d decoder layers%s", len(self.layers),
                         "".join(f"; {n} not ({why})" for why, n in skipped.items()))
@@ -148,9 +162,21 @@ class FusedLayers:
         return len(self.layers)
 
     def remove(self) -> None:
-        for layer in self.layers:
-            layer.__dict__.pop("forward", None)
+        """Put the original decoder layers back (where the fused one is still in place)."""
+        for parent, name, original, fused in reversed(self._swapped):
+            if parent._modules.get(name) is fused:
+                setattr(parent, name, original)
+        self._swapped.clear()
         self.layers.clear()
+
+
+@functools.cache
+def fused_class(cls: type) -> type:
+    """The fused layer class of transformers' decoder layer class ``cls``: ``cls`` with the fused forward."""
+    return type(f"Fused{cls.__name__}", (cls,), {
+        "__module__": __name__, "forward": _fused_forward, "_stock_forward": cls.forward,
+        "__doc__": f"{cls.__name__} with hf_paged's fused CPU forward inside engine forwards (cpu/fused_layers.py).",
+    })
 
 
 def _group(model_ref, parent: torch.nn.Module, names: tuple[str, ...], x: torch.Tensor):
@@ -166,55 +192,42 @@ def _with_slots(x: torch.Tensor, outs, modules) -> tuple:
     return tuple(y if m.lora is None else m.lora(x, y) for y, m in zip(outs, modules))
 
 
-def window_getter(attn: torch.nn.Module):
-    """The sliding window of ``attn`` as transformers reads it at each call: Mistral from its config, Qwen2 per
-    layer, Llama none."""
-    if type(attn) is family_classes()["Mistral"]["Attention"]:
-        return lambda: getattr(attn.config, "sliding_window", None)
-    return lambda: getattr(attn, "sliding_window", None)
-
-
-def _fused_forward(layer: torch.nn.Module, model_ref):
-    original = type(layer).forward.__get__(layer)
+def _fused_forward(layer, hidden_states, *args, **kwargs):
+    """The fused decoder layer's forward (transformers calls layers by keyword; pass on what it gives)."""
+    meta = kwargs.get(attention.METADATA_KWARG)
+    position_embeddings = kwargs.get("position_embeddings")
+    ln1 = layer.input_layernorm
     attn, mlp = layer.self_attn, layer.mlp
-    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    if (
+        args or not isinstance(meta, attention.AttentionMetadata) or torch.compiler.is_compiling()
+        or position_embeddings is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
+        or hidden_states.device.type != "cpu" or hidden_states.dtype != ln1.weight.dtype
+        or (torch.is_grad_enabled() and hidden_states.requires_grad)
+        or position_embeddings[0].shape[-1] != attn.head_dim or position_embeddings[0].dtype != hidden_states.dtype
+    ):
+        return layer._stock_forward(hidden_states, *args, **kwargs)
     head_dim = attn.head_dim
-    window = window_getter(attn)
-
-    def forward(hidden_states, *args, **kwargs):  # transformers calls layers by keyword; pass on what it gives
-        meta = kwargs.get(attention.METADATA_KWARG)
-        position_embeddings = kwargs.get("position_embeddings")
-        if (
-            args or not isinstance(meta, attention.AttentionMetadata) or torch.compiler.is_compiling()
-            or position_embeddings is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
-            or hidden_states.device.type != "cpu" or hidden_states.dtype != ln1.weight.dtype
-            or (torch.is_grad_enabled() and hidden_states.requires_grad)
-            or position_embeddings[0].shape[-1] != head_dim or position_embeddings[0].dtype != hidden_states.dtype
-        ):
-            return original(hidden_states, *args, **kwargs)
-        x = hidden_states[0]
-        tokens = x.shape[0]
-        h, _ = fused_ops.rms_norm(x, ln1.weight, ln1.variance_epsilon)
-        qkv = _group(model_ref, attn, QKV, h)
-        if qkv is not None:  # one GEMM, q/k/v as column views of its output (then each member's LoRA slot)
-            q, k, v = _with_slots(h, qkv.linear(h).split_with_sizes(qkv.sizes, dim=-1), qkv.modules)
-        else:
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        cos, sin = position_embeddings
-        fused_ops.rope_(q, k, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))
-        out = attention.attend(
-            meta, attn.layer_idx, q.view(tokens, -1, head_dim), k.view(tokens, -1, head_dim),
-            v.view(tokens, -1, head_dim), attn.scaling, window(),
-        )
-        o = attn.o_proj(out.reshape(tokens, -1))
-        h, residual = fused_ops.rms_norm(o, ln2.weight, ln2.variance_epsilon, residual=x)
-        gate_up = _group(model_ref, mlp, GATE_UP, h)
-        if gate_up is not None:
-            gate, up = _with_slots(h, gate_up.linear(h).split_with_sizes(gate_up.sizes, dim=-1), gate_up.modules)
-            # in place in the GEMM's output: the same two roundings as mul(silu(gate), up), no new tensor
-            m = mlp.down_proj(torch.nn.functional.silu(gate, inplace=True).mul_(up))
-        else:
-            m = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h), inplace=True).mul_(mlp.up_proj(h)))
-        return torch.add(residual, m).unsqueeze(0)
-
-    return forward
+    x = hidden_states[0]
+    tokens = x.shape[0]
+    h, _ = fused_ops.rms_norm(x, ln1.weight, ln1.variance_epsilon)
+    qkv = _group(layer._hfp_model, attn, QKV, h)
+    if qkv is not None:  # one GEMM, q/k/v as column views of its output (then each member's LoRA slot)
+        q, k, v = _with_slots(h, qkv.linear(h).split_with_sizes(qkv.sizes, dim=-1), qkv.modules)
+    else:
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    cos, sin = position_embeddings
+    fused_ops.rope_(q, k, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))
+    # the engine's attention layer object: its pool, backend and settings (scaling, window) learned at start
+    out = meta.layers[attn.layer_idx](
+        q.view(tokens, -1, head_dim), k.view(tokens, -1, head_dim), v.view(tokens, -1, head_dim), meta)
+    o = attn.o_proj(out.reshape(tokens, -1))
+    ln2 = layer.post_attention_layernorm
+    h, residual = fused_ops.rms_norm(o, ln2.weight, ln2.variance_epsilon, residual=x)
+    gate_up = _group(layer._hfp_model, mlp, GATE_UP, h)
+    if gate_up is not None:
+        gate, up = _with_slots(h, gate_up.linear(h).split_with_sizes(gate_up.sizes, dim=-1), gate_up.modules)
+        # in place in the GEMM's output: the same two roundings as mul(silu(gate), up), no new tensor
+        m = mlp.down_proj(torch.nn.functional.silu(gate, inplace=True).mul_(up))
+    else:
+        m = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h), inplace=True).mul_(mlp.up_proj(h)))
+    return torch.add(residual, m).unsqueeze(0)

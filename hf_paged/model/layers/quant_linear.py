@@ -1,7 +1,7 @@
 """Weight-only quantized linear layers for CPU (``csrc/quant_gemm.c``, ``csrc/quant_q8.c``): :class:`QuantLinear`.
 
 A :class:`QuantLinear` holds its weight as the raw quantized bytes (a uint8 tensor ``[out_features,
-in_features // 32 * block_bytes]``) in one of :data:`FORMATS` (:mod:`hf_paged.cpu.quant_formats`) and computes
+in_features // 32 * block_bytes]``) in one of :data:`FORMATS` (:mod:`hf_paged.kernels.cpu.quant_formats`) and computes
 ``y = x @ dequant(W)^T + b`` in one of two kernel modes (its ``activations`` attribute):
 
 - ``"float"`` (default, the exact reference): fp32 activations and accumulation, exactly the dequantized weights
@@ -29,7 +29,7 @@ import torch
 
 from hf_paged.kernels.cpu import probes
 from hf_paged.kernels.cpu.native import NativeLibrary
-from hf_paged.cpu.quant_formats import (  # noqa: F401 - re-exported
+from hf_paged.kernels.cpu.quant_formats import (  # noqa: F401 - re-exported
     ACTIVATIONS, BLOCK_BYTES, FORMATS, GROUP, QUANTIZATIONS, check_format, dequantize_torch, quantize,
     quantize_activations, round_bf16,
 )

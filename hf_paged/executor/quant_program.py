@@ -1,11 +1,11 @@
-"""Quantized linears in the native decode program (:mod:`hf_paged.cpu.native_program`).
+"""Quantized linears in the native decode program (:mod:`hf_paged.executor.native_program`).
 
-:func:`quant_group` joins sibling :class:`~hf_paged.cpu.quant_linear.QuantLinear` projections that read the
+:func:`quant_group` joins sibling :class:`~hf_paged.model.layers.quant_linear.QuantLinear` projections that read the
 same input (q/k/v, gate/up) into one QuantLinear over their concatenated rows, the members' ``qweight`` then
 being views of it (no second copy of the bytes; each output row is computed as it was, so the results are
 bitwise those of the separate calls). :class:`QuantOp` is one program call: the layer's kernel (its
 ``activations`` mode) straight on the step's buffers, or, for float activations and batches above
-:data:`~hf_paged.cpu.quant_linear.TILED_ROWS` rows, the module's own forward (dequantize and ``F.linear``), as
+:data:`~hf_paged.model.layers.quant_linear.TILED_ROWS` rows, the module's own forward (dequantize and ``F.linear``), as
 the eager forward does.
 """
 
@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from hf_paged.cpu.quant_linear import FORMATS, TILED_ROWS, QuantEmbedding, QuantLinear, kernel, native_library
+from hf_paged.model.layers.quant_linear import FORMATS, TILED_ROWS, QuantEmbedding, QuantLinear, kernel, native_library
 
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # parent -> {names: (members, group)}
 

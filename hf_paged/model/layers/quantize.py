@@ -1,14 +1,14 @@
 """Quantize a model's linears at engine start (``EngineConfig(quantization="int8" | "int4")``) and choose the
 kernels' activation mode (``EngineConfig(quant_activations="float" | "int8" | "bf16" | "auto")``).
 
-Every plain ``nn.Linear`` of the model is swapped for a :class:`~hf_paged.cpu.quant_linear.QuantLinear` of its
+Every plain ``nn.Linear`` of the model is swapped for a :class:`~hf_paged.model.layers.quant_linear.QuantLinear` of its
 weight: the decoder linears "int8" per output channel or "int4" in groups of 32 (scale and min, the Q4_1 layout);
 the LM head (its output embeddings, read every step: 108 MiB in fp32 for the default model) as ``q8_0`` (blocks of
 32 with an fp16 scale, GGUF's format for token embeddings) in both cases, unless ``lm_head=False``. The input
 embeddings stay float (a lookup reads a few rows). A linear whose input width is not a multiple of 32 stays float
 (one warning naming how many). With ``quant_activations="int8"`` (or ``"bf16"``) every ``QuantLinear`` of the
 model (those just made and those a GGUF file brought) runs the int8- (or bf16-) activation kernels; ``"auto"`` picks
-the fastest mode here (:mod:`hf_paged.cpu.quant_modes`). The change belongs to the model, shared by
+the fastest mode here (:mod:`hf_paged.model.layers.quant_modes`). The change belongs to the model, shared by
 its engines (:mod:`hf_paged.model.patches`), and :meth:`QuantizedLinears.remove` (the last engine's ``close()``)
 puts the original modules and modes back; the originals stay referenced meanwhile, so the float weights stay in
 memory (the model is the caller's, and int8 weights could not give the same numbers back). :func:`quantize_model`
@@ -21,8 +21,8 @@ import logging
 
 import torch
 
-from hf_paged.cpu import quant_modes
-from hf_paged.cpu.quant_linear import ACTIVATIONS, GROUP, QUANTIZATIONS, QuantLinear
+from hf_paged.model.layers import quant_modes
+from hf_paged.model.layers.quant_linear import ACTIVATIONS, GROUP, QUANTIZATIONS, QuantLinear
 from hf_paged.model.layers.linear import is_dense
 from hf_paged.model.layers.parallel import ParallelLinear, linear_of, rank0_choice
 

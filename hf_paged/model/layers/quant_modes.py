@@ -18,8 +18,8 @@ from collections import Counter
 
 import torch
 
-from hf_paged.cpu import packed_linear
-from hf_paged.cpu.quant_linear import ACTIVATIONS, QuantLinear, mode_available
+from hf_paged.kernels.cpu import packed_linear
+from hf_paged.model.layers.quant_linear import ACTIVATIONS, QuantLinear, mode_available
 
 logger = logging.getLogger(__name__)
 
