@@ -162,3 +162,34 @@ def test_adapter_is_part_of_the_prefix_hash():
     kv.cache_blocks("a", a, 8)
     assert len(kv.find_cached_prefix(a)[0]) == 2
     assert kv.find_cached_prefix(b)[0] == [] and kv.find_cached_prefix(list(range(1, 10)))[0] == []
+
+
+@pytest.mark.parametrize("token_slots", [
+    [-1, -1, 0, 0, 0, 2, 2, -1],                      # a few runs: computed in place on views
+    [0, 1, 2, -1, 2, 1, 0, 0, 1, -1, 2, 0, 1, 2, 0, 1, 1, 0, 2, 0],  # many: gathered by slot, scattered back
+])
+def test_slot_adds_each_rows_adapter_delta(token_slots):
+    from hf_paged.lora.loading import LoRALayerWeights
+    from hf_paged.lora.slots import LoRASlot, plan_step
+
+    class Source:
+        plan = None
+
+    torch.manual_seed(0)
+    source = Source()
+    slot = LoRASlot(source, 12, 10, max_loras=3, max_rank=4, device=torch.device("cpu"), dtype=torch.float32)
+    weights = {0: LoRALayerWeights(torch.randn(4, 12), torch.randn(10, 4), 0.5),
+               2: LoRALayerWeights(torch.randn(2, 12), torch.randn(10, 2), 3.0)}
+    for index, w in weights.items():
+        slot.set(index, w)
+    slot.set(1, None)  # the adapter in slot 1 leaves this layer alone
+    x, y = torch.randn(1, len(token_slots), 12), torch.randn(1, len(token_slots), 10)
+    expected = y.clone()
+    for row, index in enumerate(token_slots):
+        if index in weights:
+            w = weights[index]
+            expected[0, row] += (x[0, row] @ w.a.t() @ w.b.t()) * w.scale
+    source.plan = plan_step(token_slots, torch.device("cpu"))
+    assert torch.allclose(slot(x, y.clone()), expected, atol=1e-5)
+    source.plan = None
+    assert torch.equal(slot(x, y), y)  # no plan: nothing added
