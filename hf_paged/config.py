@@ -137,6 +137,14 @@ class EngineConfig:
             by its hash chain and a fingerprint of the model, dtype and layout: a later engine (another process,
             after a restart) on the same folder reads its prefixes back. None: no disk tier.
         prefix_cache_disk_gb: Cap on the disk tier's size, least recently used files deleted first (None: no cap).
+        enable_lora: Serve PEFT LoRA adapters per request (``lora_request=``; docs/lora.md). Steps with adapter
+            rows run the eager forward (the fused CPU decoder layers apply the adapters; the native decode program
+            and decode buckets serve base-only steps).
+        max_loras: With ``enable_lora``, the most distinct adapters one step mixes (resident at once); requests
+            of more adapters wait.
+        max_lora_rank: With ``enable_lora``, the largest adapter rank accepted (the slots are padded to it).
+        max_cpu_loras: With ``enable_lora``, adapters whose weights stay in host memory (least recently used
+            dropped first, read again from their folder when needed); None: ``max_loras``.
     """
 
     block_size: int = 16
@@ -171,6 +179,10 @@ class EngineConfig:
     kv_offload_dtype: str = "auto"
     prefix_cache_dir: str | None = None
     prefix_cache_disk_gb: float | None = None
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
@@ -225,9 +237,27 @@ class EngineConfig:
             raise ValueError(f"structured_compile_timeout_s must be a finite number of seconds >= 0 (0 or None: no "
                              f"budget), got {timeout!r}")
         check_kv_tiers(self)
+        self._check_lora()
         pw = self.prepack_weights
         if not (pw is None or isinstance(pw, bool) or (isinstance(pw, str) and pw in PACKING_KINDS)):
             raise ValueError(f"prepack_weights must be None, True, False, {PACKING_KIND_NAMES}, got {self.prepack_weights!r}")
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise TypeError(f"enable_lora must be a bool, got {self.enable_lora!r}")
+        _require_int("max_loras", self.max_loras, 1)
+        _require_int("max_lora_rank", self.max_lora_rank, 1)
+        if self.max_cpu_loras is not None:
+            _require_int("max_cpu_loras", self.max_cpu_loras, 1)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
+        if not self.enable_lora:
+            return
+        if self.tensor_parallel_size > 1:
+            raise NotImplementedError("enable_lora with tensor_parallel_size > 1 is not supported yet (one process)")
+        if self.decode_runner == "inductor":
+            raise ValueError("decode_runner='inductor' conflicts with enable_lora (its compiled graphs would not "
+                             "see the adapter slots); use 'auto'")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("hf_paged.engine",)),
     ("execution", ("hf_paged.executor", "hf_paged.sample", "hf_paged.structured", "hf_paged.spec_decode")),
     # loading, the engine's layer objects (model/layers/), and hf_paged.cpu: the old paths' package (empty)
-    ("model", ("hf_paged.model", "hf_paged.cpu")),
+    ("model", ("hf_paged.model", "hf_paged.cpu", "hf_paged.lora")),
     # the function transformers calls in each attention layer, and the backend objects it runs
     ("attention", ("hf_paged.attention",)),
     ("kernels", ("hf_paged.kernels",)),

@@ -88,7 +88,10 @@ def test_the_schema_describes_the_request_bodies(api_schema, server):
         responses = raw["paths"][path]["post"]["responses"]
         assert {"200", "400", "404", "413", "500", "503"} <= set(responses)
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
-    assert set(raw["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+    assert set(raw["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+    load = raw["paths"]["/v1/load_lora_adapter"]["post"]
+    assert load["requestBody"]["content"]["application/json"]["schema"]["required"] == ["lora_name", "lora_path"]
 
 
 # What the fuzzer found, pinned (each failed before its fix).

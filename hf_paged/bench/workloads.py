@@ -340,6 +340,12 @@ def _spec(**kw):
     return spec(**kw)
 
 
+def _lora(**kw):
+    from hf_paged.bench.lora import lora
+
+    return lora(**kw)
+
+
 def _arrival(**kw):
     from hf_paged.bench.arrival import arrival
 
@@ -372,5 +378,5 @@ def _host(**kw):
 
 WORKLOADS = {
     "chat": chat, "mixed": mixed, "latency": latency, "prefix": prefix, "spec": _spec, "serve": _serve, "host": _host,
-    "arrival": _arrival, "structured": _structured, "replicas": _replicas,
+    "arrival": _arrival, "structured": _structured, "replicas": _replicas, "lora": _lora,
 }

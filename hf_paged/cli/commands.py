@@ -159,7 +159,17 @@ def _engine_loop(args, max_num_seqs: int):
         config["speculative_config"] = args.speculative_config
     if getattr(args, "structured_compile_timeout_s", None) is not None:
         config["structured_compile_timeout_s"] = args.structured_compile_timeout_s
+    if getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None):
+        config.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     engine, tokenizer = build_engine(args, **config)
+    for i, (name, path) in enumerate(getattr(args, "lora_modules", None) or (), start=1):
+        from hf_paged.lora.request import LoRARequest
+
+        try:  # checked at start: a bad folder stops the command with the file and the mismatch
+            engine.add_lora(LoRARequest(name, i, path))
+        except ValueError as e:
+            engine.close()
+            raise UsageError(f"--lora-modules {name}={path}: {e}") from e
     engine.warm_structured()  # the grammar compile worker starts now, not on the first structured request
     return AsyncPagedEngine(engine, max_waiting_requests=args.max_waiting_requests), tokenizer
 
@@ -182,7 +192,9 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or _served_name(args.model)
     loop, tokenizer = _engine_loop(args, args.max_num_seqs)
     aliases = tuple(a for a in (args.model, _served_name(args.model)) if a and a != name)
-    served = ServedModel(name, tokenizer, loop.max_model_len, args.max_num_seqs, aliases)
+    lora = args.enable_lora or args.lora_modules
+    served = ServedModel(name, tokenizer, loop.max_model_len, args.max_num_seqs, aliases,
+                         lora_modules={r.lora_name: r for r in loop.engine.list_loras()} if lora else {})
     app = build_app(loop, served, api_key=api_key, request_workers=args.request_workers)
     print(f"hf-paged serve: {name} on http://{args.host}:{args.port}/v1 "
           f"(max_num_seqs={args.max_num_seqs}, max_model_len={loop.max_model_len}"
@@ -290,9 +302,22 @@ def _add_server_args(p: argparse.ArgumentParser, port: int, max_num_seqs: int) -
                    help="seconds one new structured-output grammar (JSON schema, regex, grammar) may take to compile; "
                    "past it the request is a 400 and its compile is stopped; 0: no budget "
                    f"(default: {SERVER_COMPILE_TIMEOUT_S:g})")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters per request: a request's model field picks one (docs/lora.md)")
+    p.add_argument("--lora-modules", type=_lora_module, nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to load at start, as name=folder (implies --enable-lora)")
+    p.add_argument("--max-loras", type=_positive_int, default=4, help="most distinct adapters in one batch")
+    p.add_argument("--max-lora-rank", type=_positive_int, default=16, help="largest adapter rank accepted")
     p.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding as JSON, vLLM\'s keys, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\'')
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter name and its PEFT folder), got {value!r}")
+    return name, path
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -341,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a standard workload against its baselines (docs/benchmarks.md)",
                            formatter_class=fmt)
     bench.add_argument("workload", choices=["chat", "mixed", "latency", "prefix", "spec", "serve", "host", "arrival",
-                                            "structured", "replicas"])
+                                            "structured", "replicas", "lora"])
     bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights and KV cache dtype")
     bench.add_argument("--repeat", type=_positive_int, default=1, help="runs per system; the fastest counts")
     _add_kv_cache_dtype(bench)

@@ -187,6 +187,8 @@ class KVCacheManager:
         known = getattr(tokens, "block_hashes", None) if not extra_keys else None
         if known is not None and i < len(known):
             return known[i]
+        # a sequence's own keys (its LoRA adapter) are fixed for its life, so its kept hashes stay valid
+        extra_keys = extra_keys or getattr(tokens, "hash_extra_keys", ())
         bs = self.block_size
         block_hash = hash_block_tokens(parent, tokens.token_ids(i * bs, (i + 1) * bs), extra_keys)
         if known is not None and i == len(known):

@@ -65,6 +65,8 @@ class Scheduler(SchedulerUpdate):
         max_itl_ratio: While a sequence is decoding, one sequence's prefill chunk is also held to what fits
             this multiple of a decode-only step's time, as measured by :meth:`observe_step` (at least
             ``PrefillPacer.min_chunk``). None or 0: no pacing.
+        max_loras: The most distinct LoRA adapters among the running sequences (one step mixes at most these);
+            a request of another adapter waits. 0: no LoRA (no limit).
 
     Speculative decoding is per request (``Sequence.spec_key`` and friends): a decoding sequence with drafts
     (from the runner's previous output) runs ``1 + len(drafts)`` tokens, drafts cut to the budget and dropped
@@ -83,6 +85,7 @@ class Scheduler(SchedulerUpdate):
         preemption_mode: str = "recompute",
         long_prefill_token_threshold: int | None = None,
         max_itl_ratio: float | None = None,
+        max_loras: int = 0,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -97,6 +100,7 @@ class Scheduler(SchedulerUpdate):
         self.pacer = PrefillPacer(ratio) if ratio else None
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
+        self.max_loras = max_loras
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -269,7 +273,8 @@ class Scheduler(SchedulerUpdate):
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while budget > 0 and len(out.scheduled) < self.max_num_seqs:
-            request = next((r for r in self.swapped if not r.parked), None)
+            loras = self._running_loras()
+            request = next((r for r in self.swapped if not r.parked and self._lora_fits(r, loras)), None)
             if request is None:
                 break
             num_new = self._cap_prefill(request.num_tokens - request.num_computed_tokens, budget)
@@ -305,8 +310,10 @@ class Scheduler(SchedulerUpdate):
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         active = self._num_active()
+        loras = self._running_loras()
         while budget > 0 and active < self.max_num_seqs and len(out.scheduled) < self.max_num_seqs:
-            request = next((r for r in self.waiting if not r.parked), None)
+            # a request of an adapter beyond max_loras waits; the requests behind it may go first
+            request = next((r for r in self.waiting if not r.parked and self._lora_fits(r, loras)), None)
             if request is None:
                 break
             cached, hashes = self.kv.find_cached_prefix(request)  # its block hashes are computed once
@@ -330,7 +337,17 @@ class Scheduler(SchedulerUpdate):
             self._schedule(out, request, num_new)
             budget -= num_new
             active += 1
+            if request.lora_int_id:
+                loras.add(request.lora_int_id)
         return budget
+
+    def _running_loras(self) -> set[int]:
+        """The LoRA adapters of the running sequences (at most ``max_loras``: a step mixes only these)."""
+        return {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else set()
+
+    def _lora_fits(self, request: Sequence, loras: set[int]) -> bool:
+        lora = request.lora_int_id
+        return not lora or not self.max_loras or lora in loras or len(loras) < self.max_loras
 
     def _schedule(self, out: SchedulerOutput, request: Sequence, num_new: int, drafts: list[int] = ()) -> None:
         start = request.num_computed_tokens
@@ -350,6 +367,7 @@ class Scheduler(SchedulerUpdate):
             request.seq_id, start, request.token_ids(start, start + num_new) + list(drafts),
             new_block_ids, sample, len(drafts), fork_seq_ids=forks,
             propose=sample and self._speculates(request), block_ids_from=table_from,
+            lora_int_id=request.lora_int_id,
         ))
 
     def _speculates(self, request: Sequence) -> bool:

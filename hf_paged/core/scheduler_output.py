@@ -42,6 +42,7 @@ class ScheduledSequence:
     fork_seq_ids: list[int] = field(default_factory=list)  # n > 1: ids of the samples forked at this step
     propose: bool = False  # draft tokens for its next step (speculative decoding; the batch is small enough)
     block_ids_from: int = 0  # the runner's copy of the table is kept up to here, then ``new_block_ids`` follow
+    lora_int_id: int = 0  # its LoRA adapter (0: the base model)
 
     @property
     def num_new_tokens(self) -> int:

@@ -59,6 +59,7 @@ class Sequence:
         priority: int = 0,
         seq_id: int | None = None,
         index: int = 0,
+        lora_int_id: int = 0,
     ) -> None:
         self.request_id = request_id
         self.seq_id = seq_id  # assigned by the scheduler when None
@@ -95,6 +96,13 @@ class Sequence:
         # When a list, the sampler appends each step's processed logits row (for HF's output_scores).
         self.scores: list | None = None
         self.block_hashes: list = []  # prefix-cache hashes of its full blocks, computed once (kv_cache_manager)
+        self.lora_int_id = lora_int_id  # its LoRA adapter (0: the base model)
+
+    @property
+    def hash_extra_keys(self) -> tuple:
+        """What besides its tokens keys its KV in the prefix cache: its adapter (KV computed under one adapter
+        is never served to another, nor to the base model)."""
+        return (("lora", self.lora_int_id),) if self.lora_int_id else ()
 
     # -- sizes --------------------------------------------------------------------------------------
     @property

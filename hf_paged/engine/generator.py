@@ -25,7 +25,9 @@ from hf_paged.executor.setup import check_speculative
 from hf_paged.engine.generator_clients import GeneratorClients
 from hf_paged.engine.generator_structured import StructuredIntake
 from hf_paged.engine.generator_loading import from_pretrained
+from hf_paged.engine.generator_lora import LoRAIntake
 from hf_paged.engine.output_processor import OutputProcessor, RequestState
+from hf_paged.lora.request import LoRARequest
 from hf_paged.outputs import EngineStats, RequestOutput
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.core.sequence import Sequence, SequenceStatus
@@ -37,7 +39,7 @@ logger = logging.getLogger(__name__)
 Prompt = str | abc.Sequence[int] | torch.Tensor
 
 
-class PagedGenerator(GeneratorClients, StructuredIntake):
+class PagedGenerator(GeneratorClients, StructuredIntake, LoRAIntake):
     """A continuous-batching engine over a HuggingFace causal LM, with a paged KV cache.
 
     Args:
@@ -88,7 +90,7 @@ class PagedGenerator(GeneratorClients, StructuredIntake):
         self.scheduler = Scheduler(
             self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
             cfg.enable_chunked_prefill, cfg.scheduling_policy, cfg.preemption_mode,
-            cfg.long_prefill_token_threshold, cfg.max_itl_ratio,
+            cfg.long_prefill_token_threshold, cfg.max_itl_ratio, cfg.max_loras if cfg.enable_lora else 0,
         )
         emb = model.get_input_embeddings()  # nn.Embedding or a quantized one (QuantEmbedding): no .weight there
         self.vocab_size = getattr(emb, "num_embeddings", None) or emb.weight.shape[0]
@@ -137,6 +139,7 @@ class PagedGenerator(GeneratorClients, StructuredIntake):
         queue_outputs: bool = False,
         speculative_config: SpeculativeConfig | dict | None = None,
         stop_at_context: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue one request; returns its id. Bad input raises ValueError/TypeError and changes nothing.
 
@@ -156,20 +159,22 @@ class PagedGenerator(GeneratorClients, StructuredIntake):
                 tokens (``finish_reason="length"``) instead of raising ValueError, as HF ``generate`` does with
                 ``max_new_tokens``. By default a prompt + ``max_tokens`` over ``max_model_len`` is refused, as
                 the server refuses it.
+            lora_request: Run it with this PEFT LoRA adapter (``enable_lora=True``); loaded and checked the
+                first time it is seen. None: the base model.
         """
         if sampling_params is not None and getattr(sampling_params, "structured_outputs", None) is not None:
             sampling_params = self.prepare_structured(sampling_params)  # before the lock: steps go on meanwhile
         with self._lock:
             request, state = self._make_request(
                 prompt, sampling_params, request_id, priority, tokenizer, return_scores, speculative_config,
-                stop_at_context,
+                stop_at_context, lora_request,
             )
             self._admit(request, state, queue_outputs)
             return request.request_id
 
     def _make_request(
         self, prompt, sampling_params, request_id, priority, tokenizer=None, return_scores=False, speculative=None,
-        stop_at_context=False,
+        stop_at_context=False, lora_request=None,
     ) -> tuple[Sequence, RequestState]:
         """Validate one request (raising ValueError/TypeError) without admitting it."""
         self._check_usable()
@@ -193,7 +198,9 @@ class PagedGenerator(GeneratorClients, StructuredIntake):
         outside = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
         if outside:
             raise ValueError(f"stop_token_ids {outside} are outside the vocabulary [0, {self.vocab_size})")
-        request = Sequence(rid, ids, params, self.eos_token_ids, self.max_model_len, prompt=text, priority=priority)
+        lora_id = self._lora_id(lora_request)
+        request = Sequence(rid, ids, params, self.eos_token_ids, self.max_model_len, prompt=text, priority=priority,
+                           lora_int_id=lora_id)
         spec = SpeculativeConfig.from_value(speculative) if speculative is not None else self.config.speculative_config
         # logits processors and stopping criteria see one token at a time: such requests never speculate
         if spec is not None and params.num_speculative_tokens != 0 and not params.has_hooks:

@@ -19,6 +19,7 @@ from hf_paged.sampling_params import BeamSearchParams, SamplingParams
 if TYPE_CHECKING:
     from hf_paged.engine.generator import Prompt
     from hf_paged.engine.output_processor import RequestState
+    from hf_paged.lora.request import LoRARequest
 
 
 class GeneratorClients:
@@ -30,6 +31,7 @@ class GeneratorClients:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: int | Sequence[int] = 0,
+        lora_request: LoRARequest | None | Sequence[LoRARequest | None] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt as one continuous batch; outputs come back in input order.
 
@@ -39,12 +41,16 @@ class GeneratorClients:
             sampling_params: One SamplingParams for all prompts, or one per prompt. Default: SamplingParams().
             use_tqdm: Show a progress bar of finished requests.
             priority: One priority for all prompts, or one per prompt (``scheduling_policy="priority"``).
+            lora_request: One LoRA adapter for all prompts, or one per prompt (None: the base model), with
+                ``enable_lora=True``; rows of different adapters run in the same batch.
         """
         prompt_list = as_prompt_list(prompts)
         params_list = per_prompt(sampling_params, len(prompt_list), "sampling params")
         priorities = per_prompt(priority, len(prompt_list), "priorities")
+        loras = per_prompt(lora_request, len(prompt_list), "lora requests")
         with self._lock:  # every prompt is validated before any is admitted
-            made = [self._make_request(p, sp, None, prio) for p, sp, prio in zip(prompt_list, params_list, priorities)]
+            made = [self._make_request(p, sp, None, prio, lora_request=lr)
+                    for p, sp, prio, lr in zip(prompt_list, params_list, priorities, loras)]
             for request, state in made:
                 self._admit(request, state, queue_outputs=True)
         ids = [state.request_id for _, state in made]
@@ -72,16 +78,17 @@ class GeneratorClients:
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-        priority: int = 0,
+        priority: int = 0, lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield a request's output as it grows: each item carries only the new token ids and text.
 
         While no other thread steps the engine, the loop drives it itself (other queued requests progress
         too). Every item produced for the request arrives, whoever ran the step. Closing the iterator early
         aborts the request; an abort from elsewhere ends the stream with a ``finish_reason="abort"`` item.
+        ``lora_request``: a LoRA adapter for it (``enable_lora``), or None.
         """
         with self._lock:
-            request, state = self._make_request(prompt, sampling_params, request_id, priority)
+            request, state = self._make_request(prompt, sampling_params, request_id, priority, lora_request=lora_request)
             self._admit(request, state, queue_outputs=True)
         rid = state.request_id
         params = request.sampling_params

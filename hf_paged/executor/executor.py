@@ -32,7 +32,8 @@ from hf_paged.executor.decode_buckets import DecodeBuckets
 from hf_paged.executor.input_batch import BlockTables
 from hf_paged.executor.model_runner import ModelRunner
 from hf_paged.executor.setup import (
-    build_pool, make_fast_runner, make_proposer, maybe_fuse, maybe_prepack, maybe_quantize, own_linears, release_model,
+    build_pool, make_fast_runner, make_lora, make_proposer, maybe_fuse, maybe_prepack, maybe_quantize, own_linears,
+    release_model,
 )
 from hf_paged.kernels.ops import resolve_backend
 from hf_paged.executor.kv_pool import KVPool
@@ -87,13 +88,15 @@ class Executor(abc.ABC):
             the forward are counted by :data:`hf_paged.executor.tensor_parallel.COMM`).
         kv_tiers: The store of the KV tiers below the pool (host memory, disk folder), or None; the engine
             hands it to its block manager's :class:`~hf_paged.core.kv_tiers.KVTiers`.
+        lora: With ``enable_lora``, the engine's adapters (:class:`~hf_paged.lora.manager.LoRAManager`): the
+            engine adds, removes and lists adapters through it; None otherwise.
     """
 
     # the names callers may use (tests/test_executor_contract.py holds code outside the package to them)
     CONTRACT = frozenset({
         "model", "max_model_len", "num_blocks", "num_host_blocks", "failure", "comm_seconds",
         "describe", "check_health", "execute_model", "add_proposer", "has_proposer", "weights_changed",
-        "watches_weights", "close", "kv_tiers",
+        "watches_weights", "close", "kv_tiers", "lora",
     })
 
     model: torch.nn.Module
@@ -103,6 +106,7 @@ class Executor(abc.ABC):
     failure: str | None = None
     comm_seconds: float = 0.0
     kv_tiers: TierStore | None = None
+    lora = None  # the LoRA adapters (a LoRAManager: add, remove, list) with enable_lora, else None
 
     @abc.abstractmethod
     def describe(self) -> ExecutorSetup:
@@ -154,6 +158,7 @@ class UniProcExecutor(Executor):
         self.cfg = cfg
         self.device = next(model.parameters()).device
         self.linears = self.packed = self.fused = self.quantized = None
+        detach_lora = None
         model_patches.acquire_attention(model)
         try:
             self.linears = own_linears(model)  # first: quantizing, packing and LoRA act on these layer objects
@@ -162,6 +167,8 @@ class UniProcExecutor(Executor):
             self.backend = resolve_backend(cfg.attention_backend, self.device, self.pool.cache_dtype)
             self.packed = maybe_prepack(model, cfg, self.device)
             self.fused = maybe_fuse(model, cfg, self.device, self.pool.specs[0].dtype)
+            if cfg.enable_lora:
+                self.lora, detach_lora = make_lora(model, cfg)
             native_max_q = cpu_attention.MAX_Q if self.backend == "cpu" and self.pool.supports_native() else 0
             # the backend object, once, and one attention layer object per decoder layer over this engine's pool
             attention = AttentionLayers.for_pool(self.pool, make_backend(self.backend, cfg.block_size, native_max_q))
@@ -169,15 +176,17 @@ class UniProcExecutor(Executor):
             fast = make_fast_runner(model, cfg, self.pool, attention, self.max_model_len, self.packed, self.fused,
                                     tables, agree)
             self.runner = ModelRunner(model, self.pool, attention, Sampler(self.device, cfg.seed), self.max_model_len,
-                                      fast, tables)
+                                      fast, tables, self.lora)
             self.kv_tiers = self.runner.tiers = make_tier_store(model, cfg, self.pool, self.max_model_len, agree)
         except BaseException:
+            if detach_lora is not None:
+                detach_lora()
             release_model(model, self._held())
             raise
         self.num_blocks = self.pool.num_blocks
         self.num_host_blocks = self.pool.num_host_blocks
         # An executor dropped without close() gives the model back when it is garbage-collected.
-        self._release = weakref.finalize(self, release_model, model, self._held())
+        self._release = weakref.finalize(self, _release, model, self._held(), detach_lora)
 
     def _held(self) -> list[str]:
         """The model patches this executor holds, in the order they were taken."""
@@ -220,6 +229,12 @@ class UniProcExecutor(Executor):
             self.kv_tiers.close()  # the writer thread writes what is queued first
         self.runner.close()
         self._release()  # once: the finalizer is dead afterwards
-        self.linears = self.packed = self.fused = self.quantized = None
+        self.linears = self.packed = self.fused = self.quantized = self.lora = None
         self.pool.kv_caches.clear()
         self.pool.host_caches.clear()
+
+
+def _release(model: torch.nn.Module, held: list[str], detach_lora) -> None:
+    if detach_lora is not None:  # the LoRA slots come off the model's linears first
+        detach_lora()
+    release_model(model, held)

@@ -20,6 +20,7 @@ from hf_paged.core.scheduler_output import ModelRunnerOutput, SampledLogprobs, S
 from hf_paged.executor.input_batch import BlockTables, pack_step, table_tensor
 from hf_paged.executor.step_runners import EagerStepRunner, Step, StepInputs, StepRunner, check_hidden_layers
 from hf_paged.executor.kv_pool import KVPool
+from hf_paged.lora.manager import LoRAManager
 from hf_paged.sample.logits_processors import criteria_stop
 from hf_paged.sample.sampling import Sampler, SeqState
 from hf_paged.spec_decode.speculator import Speculator
@@ -40,11 +41,13 @@ class ModelRunner:
         max_model_len: Longest sequence.
         fast: The fast step runner chosen at start (decode buckets or the CPU native program), or None.
         block_tables: The persistent block tables (shared with ``fast``, which reads the step's rows from them).
+        lora: The LoRA adapters (``enable_lora``), or None. A step with adapter rows sets its row mapping on
+            it for the forward and runs on the eager runner (the fast runners do not apply the slots yet).
     """
 
     def __init__(
         self, model: torch.nn.Module, pool: KVPool, attention: AttentionLayers, sampler: Sampler, max_model_len: int,
-        fast: StepRunner | None = None, block_tables: BlockTables | None = None,
+        fast: StepRunner | None = None, block_tables: BlockTables | None = None, lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -63,6 +66,7 @@ class ModelRunner:
         self.hidden_layers: tuple[int, ...] = ()  # decoder layers whose outputs every step captures
         self.last_hidden: dict[int, torch.Tensor] = {}  # their outputs in the last step, [T, hidden] each
         self.tiers = None  # the KV tiers' store (executor/kv_tiers.py), when the engine has tiers
+        self.lora = lora
 
     def close(self) -> None:
         """Drop the speculative proposers, the fast step runner (its buffers, graphs, packs) and all state."""
@@ -153,9 +157,15 @@ class ModelRunner:
     def compute_logits(self, step: Step, model: torch.nn.Module | None = None, fast: StepRunner | None = None) -> torch.Tensor:
         """Logits ``[N, V]`` at the sampled rows of ``step``: on the fast runner where it takes the step, else
         on the eager forward; ``model`` and ``fast``: a draft model and its own fast runner (default: the
-        target's)."""
+        target's). A step with adapter rows runs eagerly with the step's LoRA slots set (a draft runs base)."""
         if model is None:
             fast = self.fast
+            if self.lora is not None and any(item.lora_int_id for item in step.scheduled):
+                try:  # the step's adapter of each row, for every slot; cleared after
+                    self.lora.set_step([(item.lora_int_id, item.num_new_tokens) for item in step.scheduled], self.device)
+                    return self.eager.run(step)
+                finally:
+                    self.lora.clear_step()
         logits = fast.run(step) if fast is not None and fast.accepts(step.scheduled) else None
         return self.eager.run(step, model) if logits is None else logits
 

@@ -20,6 +20,8 @@ from hf_paged.model.layers.packed import PackedLinears
 from hf_paged.executor.program_fit import hooks, skipped_modules, why_not
 from hf_paged.model.layers.quant_linear import QuantLinear
 from hf_paged.model.layers.quantize import QuantizedLinears
+from hf_paged.lora.attach import adaptable_linears, attach_slots
+from hf_paged.lora.manager import LoRAManager
 from hf_paged.model.default_model import load_model
 from hf_paged.model.layers.linear import OwnedLinears, is_dense
 from hf_paged.executor.decode_buckets import DecodeBuckets, resolve_mode
@@ -142,6 +144,15 @@ def maybe_prepack(model: torch.nn.Module, cfg: EngineConfig, device: torch.devic
 def _all_quantized(model: torch.nn.Module) -> bool:
     """Whether the model's linears are all quantized ones (no plain ``nn.Linear`` left for packing)."""
     return any(type(m) is QuantLinear for m in model.modules()) and not any(is_dense(m) for m in model.modules())
+
+
+def make_lora(model: torch.nn.Module, cfg: EngineConfig):
+    """The engine's LoRA manager over the model's adaptable linears, its slots attached; and their undo."""
+    linears = adaptable_linears(model)
+    if not linears:
+        raise ValueError("enable_lora: this model has no linear layers inside its decoder layers to adapt")
+    manager = LoRAManager(linears, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras)
+    return manager, attach_slots(model, manager)
 
 
 def maybe_fuse(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):

@@ -16,6 +16,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
+from hf_paged.hf.peft_adapters import adapters_of
 from hf_paged.hf.cache import CACHE_KWARG, PagedCache
 from hf_paged.engine.engine_setup import token_id_list
 import hf_paged.hf.generate_processors as hooks
@@ -69,6 +70,8 @@ def paged_generate(
     ``num_beams > 1`` the search runs in the engine and returns stock beam search's outputs
     (``GenerateBeamDecoderOnlyOutput`` with ``sequences_scores`` and ``beam_indices``).
     """
+    adapters = adapters_of(self)
+    adapter_names = kwargs.pop("adapter_names", None) if adapters is not None else None
     stock_args = dict(
         inputs=inputs, generation_config=generation_config, logits_processor=logits_processor,
         stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
@@ -94,7 +97,14 @@ def paged_generate(
         reasons.append("streamer with beam search")  # stock raises the proper error
     if (gen_cfg.num_beams or 1) > 1 and (assistant_model is not None or gen_cfg.prompt_lookup_num_tokens):
         reasons.append("assisted generation with beam search")  # stock raises the proper error
+    loras = None
+    if adapters is not None and not reasons:
+        loras = adapters.row_requests(adapter_names, 1 if input_ids.dim() == 1 else input_ids.shape[0])
+        if (gen_cfg.num_beams or 1) > 1 and any(loras):
+            reasons.append("beam search with a LoRA adapter")
     if reasons:
+        if adapter_names is not None:
+            stock_args["adapter_names"] = adapter_names
         return _fallback(self, reasons, stock_args, gen_cfg)
 
     if input_ids.dim() == 1:
@@ -115,7 +125,7 @@ def paged_generate(
                              _min_new(gen_cfg, width))
     engine = self.paged
     speculative = _speculative_config(gen_cfg, assistant_model)
-    rows = _add_rows(engine, gen_cfg, model_kwargs, input_ids, max_new, speculative, row_hooks)
+    rows = _add_rows(engine, gen_cfg, model_kwargs, input_ids, max_new, speculative, row_hooks, loras)
     batch_stop = row_hooks.batch_stop if row_hooks is not None else None
     lockstep = _LockstepStreamer(streamer, rows, _pad_id(gen_cfg), batch_stop) if streamer else None
     if streamer is not None:
@@ -189,6 +199,8 @@ def _fallback(model, reasons: list[str], stock_args: dict, gen_cfg: GenerationCo
         f"hf_paged: {', '.join(reasons)} not supported by the paged engine; running stock generate"
         + (" with a PagedCache" if use_cache else "") + " instead.",
     )
+    if adapters_of(model) is not None:  # a PEFT model: its own generate (stock, with its adapters)
+        return type(model).generate(model, **stock_args)
     if use_cache:
         for name in ("cache", "past_key_values"):
             stock_args.pop(name, None)
@@ -260,7 +272,7 @@ def _speculative_config(gen_cfg: GenerationConfig, assistant_model) -> dict | No
 
 def _add_rows(
     engine, gen_cfg: GenerationConfig, model_kwargs: dict, input_ids: torch.Tensor, max_new: int, speculative=None,
-    row_hooks: hooks.RowHooks | None = None,
+    row_hooks: hooks.RowHooks | None = None, loras: list | None = None,
 ) -> list[_Row]:
     prompts = _prompts(gen_cfg, model_kwargs, input_ids)
     min_new = _min_new(gen_cfg, input_ids.shape[1])
@@ -306,6 +318,7 @@ def _add_rows(
                     prompt, sample, tokenizer=tokenizer, return_scores=bool(gen_cfg.output_scores),
                     queue_outputs=True, speculative_config=speculative,
                     stop_at_context=True,  # stock max_new_tokens: cut at the context
+                    lora_request=None if loras is None else loras[b],
                 )
                 rows.append(_Row(rid, b, engine.scores_of(rid)))
     except BaseException:

@@ -106,7 +106,7 @@ class AsyncPagedEngine(LoopFaults):
     # -- callers ------------------------------------------------------------------------------------
     def add_request(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-        priority: int = 0, speculative_config: dict | None = None,
+        priority: int = 0, speculative_config: dict | None = None, lora_request=None,
     ) -> RequestStream:
         """Submit a request from any thread or task; returns its stream at once (the loop admits it).
 
@@ -117,6 +117,7 @@ class AsyncPagedEngine(LoopFaults):
             priority: With ``scheduling_policy="priority"``, lower values run first.
             speculative_config: Speculate for this request with these settings instead of the engine's
                 (``SamplingParams(num_speculative_tokens=0)`` turns speculation off for one request).
+            lora_request: A :class:`~hf_paged.LoRARequest` (an engine with ``enable_lora``), or None: the base.
 
         Raises:
             ValueError, TypeError: Bad input (checked here, in the caller's thread), an id in use.
@@ -124,15 +125,17 @@ class AsyncPagedEngine(LoopFaults):
             EngineClosedError: After :meth:`shutdown`.
         """
         return self.add_requests([prompt], sampling_params, None if request_id is None else [request_id], priority,
-                                 speculative_config)[0]
+                                 speculative_config, lora_request)[0]
 
     def add_requests(
         self, prompts: list[Prompt], sampling_params: SamplingParams | None = None,
         request_ids: list[str] | None = None, priority: int = 0, speculative_config: dict | None = None,
+        lora_request=None,
     ) -> list[RequestStream]:
         """Submit several requests at once, all or none: every one is checked first, and either all of them
         are queued or (bad input, a full queue, shutdown) none is, so a refused batch leaves nothing to abort.
-        Arguments and errors as :meth:`add_request` (one id per prompt); a batch larger than
+        Arguments and errors as :meth:`add_request` (one id per prompt; ``lora_request``: one LoRA adapter for
+        all of them, or None); a batch larger than
         ``max_waiting_requests`` can never be queued and raises ``ValueError``."""
         self._check_open(len(prompts))
         if request_ids is None:
@@ -149,7 +152,8 @@ class AsyncPagedEngine(LoopFaults):
         for prompt, request_id in zip(prompts, request_ids):
             # Validation and tokenization run here, off the loop thread; they only read the engine's settings.
             request, state = self.engine._make_request(
-                prompt, sampling_params, request_id, priority, speculative=speculative_config
+                prompt, sampling_params, request_id, priority, speculative=speculative_config,
+                lora_request=lora_request,
             )
             params = request.sampling_params
             hold = max((len(s) - 1 for s in params.stop or ()), default=0)

@@ -123,8 +123,15 @@ class ServingMetrics:
                                     ["model_name", "finished_reason"], registry=self.registry)
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason)
+        self.model_requests = prom.Counter(
+            PREFIX + "model_requests", "Requests submitted per served model: the base model or a LoRA adapter.",
+            ["model_name", "lora_name"], registry=self.registry)
         self.registry.register(_EngineCollector(self))
         engine.add_observer(self.observe)
+
+    def count_model(self, name: str, count: int = 1) -> None:
+        """Count ``count`` requests for ``name`` (the base model's name, or a LoRA adapter's)."""
+        self.model_requests.labels(self.model_name, name).inc(count)
 
     def observe(self, info: StepInfo) -> None:
         """Feed the histograms from one step (runs on the loop thread)."""

@@ -246,6 +246,7 @@ def _schemas() -> dict[str, dict]:
                 "type": "object", "required": ["id", "object", "created", "owned_by"],
                 "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
                                "owned_by": {"type": "string"}, "root": {"type": "string"},
+                               "parent": {"type": "string", "description": "A LoRA adapter's base model."},
                                "max_model_len": {"type": "integer"}},
             }}},
         },
@@ -304,6 +305,7 @@ def operations(served: ServedModel, api_key: bool = False) -> dict[tuple[str, st
                 "content": {"text/plain": {"schema": {"type": "string"}}}},
         "404": _error(404) | {"description": "Metrics are disabled on this server."}}}
     return {
+        **_lora_operations(api_key),
         ("/v1/completions", "post"): _generation("Text completions", completion_request(served), "Completion",
                                                  "CompletionChunk", api_key),
         ("/v1/chat/completions", "post"): _generation("Chat completions", chat_request(served), "ChatCompletion",
@@ -311,6 +313,31 @@ def operations(served: ServedModel, api_key: bool = False) -> dict[tuple[str, st
         ("/v1/models", "get"): models,
         ("/health", "get"): health,
         ("/metrics", "get"): metrics,
+    }
+
+
+def _lora_operations(api_key: bool) -> dict[tuple[str, str], dict]:
+    """The LoRA routes (with ``--enable-lora``; a 400 otherwise)."""
+    def body(required: list[str]) -> dict:
+        return {"required": True, "content": {JSON: {"schema": {
+            "type": "object", "required": required,
+            "properties": {"lora_name": {"type": "string", "minLength": 1},
+                           "lora_path": {"type": "string", "minLength": 1,
+                                         "description": "A PEFT adapter folder on the server."}}}}}}
+
+    def answers(done: str, missing: str) -> dict:
+        return {"200": {"description": done, "content": {"text/plain": {"schema": {"type": "string"}}}},
+                "400": _error(400) | {"description": "A bad field, a folder that is no fitting LoRA adapter (the "
+                                                     "message names the file and the mismatch), or no --enable-lora."},
+                "404": _error(404) | {"description": missing},
+                **({"401": _error(401)} if api_key else {})}
+
+    security = {"security": [{"bearer": []}]} if api_key else {}
+    return {
+        ("/v1/load_lora_adapter", "post"): {"summary": "Load a LoRA adapter", "requestBody": body(
+            ["lora_name", "lora_path"]), "responses": answers("Loaded.", "Not used by this route."), **security},
+        ("/v1/unload_lora_adapter", "post"): {"summary": "Unload a LoRA adapter", "requestBody": body(["lora_name"]),
+                                              "responses": answers("Unloaded.", "No adapter of that name."), **security},
     }
 
 

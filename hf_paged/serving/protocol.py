@@ -35,6 +35,9 @@ class ServedModel:
     # most prompts in one /v1/completions call; build_app caps it at the engine's waiting queue (a larger
     # list could never be queued), which is also its default
     max_prompts: int | None = None
+    # LoRA adapters served beside the base model (``--lora-modules``, /v1/load_lora_adapter): name -> LoRARequest;
+    # a request's ``model`` field picks one
+    lora_modules: dict = field(default_factory=dict)
 
     def accepts(self, name: str) -> bool:
         return name == self.name or name in self.aliases
@@ -133,8 +136,9 @@ def _common(body: dict, served: ServedModel) -> tuple[str, dict, bool, bool, int
         model = served.name
     if not isinstance(model, str):
         raise APIError(f"model must be a string, got {model!r}", param="model")
-    if not served.accepts(model):
-        raise APIError(f"The model {model!r} does not exist; this server serves {served.name!r}", 404,
+    if not served.accepts(model) and model not in served.lora_modules:
+        adapters = f" and the LoRA adapters {sorted(served.lora_modules)}" if served.lora_modules else ""
+        raise APIError(f"The model {model!r} does not exist; this server serves {served.name!r}{adapters}", 404,
                        param="model", code="model_not_found")
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:

@@ -20,6 +20,7 @@ from hf_paged.outputs import RequestOutput
 from hf_paged.serving.common import WorkerPool
 from hf_paged.serving.engine_loop import AsyncPagedEngine, EngineClosedError, EngineFailedError, QueueFullError
 from hf_paged.serving.http_runner import BackgroundServer, run_server  # noqa: F401 - served from here too
+from hf_paged.serving.lora_routes import install_lora_routes, model_cards
 from hf_paged.serving.openapi import install_openapi
 from hf_paged.serving.protocol import APIError, ParsedRequest, ServedModel, check_body, parse_chat, parse_completion
 from hf_paged.serving.responses import chat_logprobs, completion_logprobs, new_id, usage
@@ -147,7 +148,11 @@ def build_app(
         """Queue every prompt of the request, or none (a refused request leaves nothing to abort)."""
         ids = [f"{rid}-{i}" for i in range(len(parsed.prompts))]
         try:
-            return engine.add_requests(parsed.prompts, parsed.params, ids, parsed.priority)
+            lora = served.lora_modules.get(parsed.model)
+            streams = engine.add_requests(parsed.prompts, parsed.params, ids, parsed.priority, lora_request=lora)
+            if metrics is not None:
+                metrics.count_model(parsed.model if lora is not None else served.name, len(ids))
+            return streams
         except QueueFullError as e:
             raise APIError(str(e), 503, type="server_overloaded", code="queue_full") from e
         except EngineFailedError as e:
@@ -331,7 +336,7 @@ def build_app(
         return {"object": "list", "data": [{
             "id": served.name, "object": "model", "created": served.created, "owned_by": "hf_paged",
             "root": served.name, "max_model_len": served.max_model_len,
-        }]}
+        }, *model_cards(served)]}
 
     @app.get("/health")
     async def health():
@@ -348,6 +353,7 @@ def build_app(
             raise APIError("metrics are disabled on this server", 404, type="not_found_error")
         return Response(await metrics.render(), media_type=metrics.content_type)
 
+    install_lora_routes(app, engine, served, check_key, read_body, pool)
     install_openapi(app, served, api_key is not None)
     return app
 

@@ -25,6 +25,7 @@ STOPPED = "[stopped]"
 # what the "speculative decoding" box turns on when the engine was started without a speculative_config
 DEFAULT_SPECULATION = {"method": "ngram", "num_speculative_tokens": 4}
 ERROR_PREFIX = "⚠ "
+BASE_CHOICE = "(base model)"  # the adapter drop-down's entry for no adapter
 
 
 def _gradio():
@@ -75,13 +76,14 @@ class ChatDemo:
     # -- handlers -----------------------------------------------------------------------------------
     def respond(self, message: str, conversation: list[dict], system: str, temperature: float, top_p: float,
                 max_tokens: float, session: str, speculative: bool | None = None, json_schema: str = "",
-                ) -> Iterator[tuple[list[dict], list[dict], str]]:
+                adapter: str = "") -> Iterator[tuple[list[dict], list[dict], str]]:
         """Stream one answer: yields (chatbot messages, conversation state, message box).
 
         ``speculative``: draft tokens for this answer (the engine's speculative_config, else n-gram with 4
         drafts), or not; None keeps the engine's setting. Greedy answers are the same either way.
         ``json_schema``: a JSON schema (text) the answer must be valid JSON under; "" for free text. An invalid
-        schema is shown as an error in the chat, and nothing is generated."""
+        schema is shown as an error in the chat, and nothing is generated. ``adapter``: the name of a loaded LoRA
+        adapter to answer with; "" or :data:`BASE_CHOICE`: the base model."""
         if not message or not message.strip():
             yield conversation, conversation, ""
             return
@@ -96,7 +98,7 @@ class ChatDemo:
             spec = DEFAULT_SPECULATION if speculative and not self.engine_speculates else None
             prompt = build_prompt(self.engine.tokenizer, system, conversation)
             stream = self.engine.add_request(prompt, params, request_id=f"chat-{session[:6]}-{next(self._turns)}",
-                                             speculative_config=spec)
+                                             speculative_config=spec, lora_request=self._adapter(adapter))
         except (ValueError, TypeError, ImportError, QueueFullError, EngineClosedError) as e:
             shown[-1] = {"role": "assistant", "content": f"{ERROR_PREFIX}{e}"}
             yield shown, conversation, ""
@@ -126,6 +128,18 @@ class ChatDemo:
             shown[-1] = {"role": "assistant", "content": f"{text} {STOPPED}"}
         conversation = [*conversation, {"role": "assistant", "content": text}]
         yield shown, conversation, ""
+
+    def adapters(self) -> list[str]:
+        """The loaded LoRA adapters' names (an engine with ``enable_lora``), for the drop-down."""
+        return sorted(r.lora_name for r in self.engine.engine.list_loras())
+
+    def _adapter(self, name: str):
+        if not name or name == BASE_CHOICE:
+            return None
+        found = next((r for r in self.engine.engine.list_loras() if r.lora_name == name), None)
+        if found is None:
+            raise ValueError(f"the LoRA adapter {name!r} is not loaded (loaded: {self.adapters()})")
+        return found
 
     def stop(self, session: str) -> None:
         """Abort the session's answers in the engine (their blocks are freed before the next step)."""
@@ -169,10 +183,10 @@ class ChatDemo:
         gr = _gradio()
 
         def respond(message, conversation, system, temperature, top_p, max_tokens, speculative, json_schema,
-                    request: gr.Request):
+                    adapter, request: gr.Request):
             session, shown = _session(request), None
             for out in self.respond(message, conversation, system, temperature, top_p, max_tokens, session,
-                                    bool(speculative), json_schema or ""):
+                                    bool(speculative), json_schema or "", adapter or ""):
                 active = self.generating(session)  # Stop: enabled while this tab has an answer in flight
                 yield (*out, gr.update(interactive=active) if active != shown else gr.skip())
                 shown = active
@@ -217,9 +231,12 @@ class ChatDemo:
                                              label="JSON schema (optional: answers are JSON valid under it)",
                                              placeholder='{"type": "object", "properties": {"name": {"type": '
                                                          '"string"}}, "required": ["name"]}')
+                    # the loaded LoRA adapters (an engine with enable_lora; hidden otherwise)
+                    adapter = gr.Dropdown([BASE_CHOICE, *self.adapters()], value=BASE_CHOICE, elem_id="hfp-adapter",
+                                          label="LoRA adapter", visible=self.engine.engine.config.enable_lora)
                 with gr.Column(scale=2):
                     panel = gr.HTML(self.panel(), elem_id="hfp-panel", label="engine")
-            inputs = [message, conversation, system, temperature, top_p, max_tokens, speculative, json_schema]
+            inputs = [message, conversation, system, temperature, top_p, max_tokens, speculative, json_schema, adapter]
             outputs = [chatbot, conversation, message, stop_button]
             for trigger in (message.submit, send.click):
                 trigger(respond, inputs, outputs, concurrency_limit=None, show_progress="hidden").then(

@@ -1,0 +1,178 @@
+"""``LoRAManager``: the engine's adapters: registered, loaded in host memory (an LRU), resident in slots.
+
+- registered: every adapter added (``add``) and not removed; a request names one by its ``lora_int_id``.
+- host memory: the checked weights of at most ``max_cpu_loras`` adapters, least recently used dropped first
+  (an evicted adapter is read from its folder again when a step needs it).
+- slots: at most ``max_loras`` adapters copied into every adapted linear's stacked tensors
+  (:class:`~hf_paged.lora.slots.LoRASlot`); the scheduler admits at most that many distinct adapters at
+  once, so one step never needs more.
+
+Per step the model runner calls :meth:`set_step` with each scheduled sequence's adapter and token count (the
+slots then sit on the layers the step's adapters adapt, and read :attr:`plan`), runs the forward, then
+:meth:`clear_step`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import torch
+
+from hf_paged.lora.loading import LoRAWeights, load_lora
+from hf_paged.lora.request import LoRARequest
+from hf_paged.lora.slots import LoRASlot, StepPlan, plan_step
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    """The adapters of one engine.
+
+    Args:
+        linears: The base model's adaptable linears: module name -> module (``in_features``,
+            ``out_features`` and a float weight, whose device and dtype the slots take).
+        max_loras: Adapters resident at once (distinct adapters one step may mix).
+        max_lora_rank: The largest rank an adapter may have.
+        max_cpu_loras: Adapters whose weights stay in host memory (>= ``max_loras``); None: ``max_loras``.
+    """
+
+    def __init__(self, linears: Mapping[str, torch.nn.Module], max_loras: int, max_lora_rank: int,
+                 max_cpu_loras: int | None = None) -> None:
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
+        self.targets = {name: (m.in_features, m.out_features) for name, m in linears.items()}
+        self.slots: dict[str, LoRASlot] = {}
+        for name, module in linears.items():
+            weight = _float_weight(module)
+            self.slots[name] = LoRASlot(self, module.in_features, module.out_features, max_loras, max_lora_rank,
+                                        weight.device, weight.dtype)
+        self.requests: dict[int, LoRARequest] = {}
+        self._host: OrderedDict[int, LoRAWeights] = OrderedDict()
+        self._resident: list[int | None] = [None] * max_loras  # slot -> adapter id
+        self._slot_use: list[int] = [0] * max_loras  # the step that last used each slot (LRU among slots)
+        self._slot_names: list[set[str]] = [set() for _ in range(max_loras)]  # the layers each slot's adapter adapts
+        self._steps = 0
+        self.plan: StepPlan | None = None
+        self._layers: dict[str, torch.nn.Module] = {}  # the engine layers whose ``lora`` a step sets (bind)
+        self._set: list[torch.nn.Module] = []  # the layers with their slot set for this step
+
+    # -- adapters -------------------------------------------------------------------------------------
+    def add(self, request: LoRARequest) -> bool:
+        """Register and load ``request`` (checked now: a bad folder raises ValueError naming the file and the
+        mismatch, and nothing changes). False if this adapter is already registered."""
+        if not isinstance(request, LoRARequest):
+            raise TypeError(f"expected a LoRARequest, got {type(request).__name__}")
+        known = self.requests.get(request.lora_int_id)
+        if known is not None:
+            if known != request:
+                raise ValueError(f"lora_int_id {request.lora_int_id} is already the adapter {known.lora_name!r} "
+                                 f"({known.lora_path}); remove it first or use another id")
+            return False
+        same_name = next((r for r in self.requests.values() if r.lora_name == request.lora_name), None)
+        if same_name is not None:
+            raise ValueError(f"an adapter named {request.lora_name!r} is already loaded (lora_int_id "
+                             f"{same_name.lora_int_id})")
+        weights = load_lora(request, self.targets, self.max_lora_rank)
+        self.requests[request.lora_int_id] = request
+        self._keep(weights)
+        logger.info("LoRA adapter %r (id %d) loaded: %d linears, rank <= %d", request.lora_name,
+                    request.lora_int_id, len(weights.layers), weights.max_rank)
+        return True
+
+    def remove(self, lora_id: int) -> bool:
+        """Forget an adapter (its slot is freed); False if it is not registered. Requests still running with
+        it must be finished first (the engine checks)."""
+        if self.requests.pop(lora_id, None) is None:
+            return False
+        self._host.pop(lora_id, None)
+        if lora_id in self._resident:
+            slot = self._resident.index(lora_id)
+            self._resident[slot] = None
+            self._slot_names[slot] = set()
+            for layer in self.slots.values():
+                layer.set(slot, None)
+        return True
+
+    def list(self) -> list[LoRARequest]:
+        return list(self.requests.values())
+
+    def _keep(self, weights: LoRAWeights) -> None:
+        lora_id = weights.request.lora_int_id
+        self._host[lora_id] = weights
+        self._host.move_to_end(lora_id)
+        while len(self._host) > self.max_cpu_loras:
+            dropped, _ = self._host.popitem(last=False)
+            logger.debug("LoRA adapter id %d dropped from host memory (max_cpu_loras=%d)", dropped, self.max_cpu_loras)
+
+    def _weights(self, lora_id: int) -> LoRAWeights:
+        weights = self._host.get(lora_id)
+        if weights is None:  # dropped from the host LRU: read its folder again
+            weights = load_lora(self.requests[lora_id], self.targets, self.max_lora_rank)
+        self._keep(weights)
+        return weights
+
+    # -- the step -------------------------------------------------------------------------------------
+    def set_step(self, rows: list[tuple[int, int]], device: torch.device) -> None:
+        """Make the step's adapters resident and plan its rows: ``rows`` lists, in batch order, each scheduled
+        sequence's adapter id (0: base) and number of tokens."""
+        ids = {lora_id for lora_id, _ in rows if lora_id}
+        if not ids:
+            self.plan = None
+            return
+        if len(ids) > self.max_loras:
+            raise RuntimeError(f"a step mixes {len(ids)} adapters, more than max_loras={self.max_loras} (the "
+                               "scheduler admits at most that many: a bug, please report)")
+        unknown = sorted(i for i in ids if i not in self.requests)
+        if unknown:
+            raise RuntimeError(f"LoRA adapter id(s) {unknown} were removed while requests still use them")
+        self._steps += 1
+        slot_of = {lora_id: self._make_resident(lora_id, ids) for lora_id in sorted(ids)}
+        token_slots: list[int] = []
+        for lora_id, n in rows:
+            token_slots.extend([slot_of[lora_id] if lora_id else -1] * n)
+        self.plan = plan_step(token_slots, device)
+        # the slot goes on the layers this step's adapters adapt, and comes off after the forward
+        names = set().union(*(self._slot_names[slot] for slot in slot_of.values()))
+        for name in names:
+            layer = self._layers.get(name)
+            if layer is not None:
+                layer.lora = self.slots[name]
+                self._set.append(layer)
+
+    def clear_step(self) -> None:
+        """After the step's forward: no plan, every slot off the layers again."""
+        self.plan = None
+        for layer in self._set:
+            layer.lora = None
+        self._set.clear()
+
+    def bind(self, layers: dict[str, torch.nn.Module]) -> None:
+        """The layer objects whose ``lora`` :meth:`set_step` sets (:func:`~hf_paged.lora.attach.attach_slots`)."""
+        self._layers = dict(layers)
+
+    def _make_resident(self, lora_id: int, needed: set[int]) -> int:
+        if lora_id in self._resident:
+            slot = self._resident.index(lora_id)
+        else:
+            free = [s for s, held in enumerate(self._resident) if held is None or held not in needed]
+            slot = min(free, key=lambda s: (self._resident[s] is not None, self._slot_use[s]))
+            weights = self._weights(lora_id)
+            for name, layer in self.slots.items():
+                layer.set(slot, weights.layers.get(name))
+            self._resident[slot] = lora_id
+            self._slot_names[slot] = set(weights.layers)
+        self._slot_use[slot] = self._steps
+        return slot
+
+
+def _float_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The weight whose device and dtype the module's slots take (a quantized linear: float32 on its device)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return weight
+    param = next(module.parameters(), None) if hasattr(module, "parameters") else None
+    device = param.device if param is not None else torch.device("cpu")
+    return torch.empty(0, device=device, dtype=torch.float32)

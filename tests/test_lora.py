@@ -1,0 +1,186 @@
+"""Multi-LoRA: a mixed batch of base rows and rows of PEFT adapters equals PEFT's own generate per adapter.
+
+Adapters are made with peft (``init_lora_weights=False``: random non-zero A and B) on the tiny seeded models and
+saved into a temporary folder; the reference for a row is the unmerged ``PeftModel``'s greedy ``generate``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+from hf_paged import LoRARequest, PagedGenerator, SamplingParams  # noqa: E402
+from tests.helpers import make_model, make_prompts, stock_greedy  # noqa: E402
+
+MAX_TOKENS = 10
+# two adapters of different ranks and targets; B uses rsLoRA and a per-module rank and alpha
+ADAPTERS = {
+    "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    "b": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"],
+              rank_pattern={"o_proj": 2}, alpha_pattern={"up_proj": 4}),
+    "c": dict(r=2, lora_alpha=32, target_modules=["q_proj", "o_proj"]),
+}
+
+
+def make_adapter(base, folder, seed: int, **config):
+    """A PEFT adapter with random A and B on a copy of ``base``, saved in ``folder``; returns the PeftModel."""
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **config)).eval()
+    model.save_pretrained(str(folder))
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def setup(request, tmp_path_factory):
+    """(base model, {name: (LoRARequest, PeftModel)}) for one architecture."""
+    base = make_model(request.param)
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    adapters = {}
+    for i, (name, config) in enumerate(ADAPTERS.items(), start=1):
+        peft_model = make_adapter(base, root / name, seed=10 + i, **config)
+        adapters[name] = (LoRARequest(name, i, str(root / name)), peft_model)
+    return base, adapters
+
+
+def reference(base, adapters, prompt, name):
+    return stock_greedy(base if name is None else adapters[name][1], prompt, MAX_TOKENS)
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+def test_mixed_batch_equals_peft(setup):
+    base, adapters = setup
+    names = [None, "a", "b", None, "b", "a"]
+    prompts = make_prompts(len(names), seed=3)
+    refs = [reference(base, adapters, p, n) for p, n in zip(prompts, names)]
+    # the adapters change the output, so a slot that applied nothing would fail here
+    assert any(stock_greedy(base, p, MAX_TOKENS) != r for p, r, n in zip(prompts, refs, names) if n)
+    with PagedGenerator(base, enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=64) as engine:
+        outs = engine.generate(prompts, GREEDY, use_tqdm=False,
+                               lora_request=[None if n is None else adapters[n][0] for n in names])
+        assert sorted(r.lora_name for r in engine.list_loras()) == ["a", "b"]
+    assert [o.outputs[0].token_ids for o in outs] == refs
+
+
+def test_more_adapters_than_max_loras_queue(setup):
+    """Three adapters with max_loras=1: they take turns, every request finishes with its adapter's tokens."""
+    base, adapters = setup
+    names = ["a", "b", "c", None, "c", "a"]
+    prompts = make_prompts(len(names), seed=5)
+    refs = [reference(base, adapters, p, n) for p, n in zip(prompts, names)]
+    with PagedGenerator(base, enable_lora=True, max_loras=1, max_lora_rank=8, num_blocks=64,
+                        max_cpu_loras=2) as engine:
+        seen = []
+        original = engine.scheduler.schedule
+
+        def schedule():
+            out = original()
+            seen.append({s.lora_int_id for s in out.scheduled if s.lora_int_id})
+            return out
+
+        engine.scheduler.schedule = schedule
+        outs = engine.generate(prompts, GREEDY, use_tqdm=False,
+                               lora_request=[None if n is None else adapters[n][0] for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert max(len(s) for s in seen) == 1 and len(set().union(*seen)) == 3
+
+
+def test_prefix_cache_isolated_per_adapter(setup):
+    """A prompt cached under adapter A is never served to B or base; under A again it is."""
+    base, adapters = setup
+    prompt = make_prompts(1, lengths=[40], seed=9)[0]
+    with PagedGenerator(base, enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=64, block_size=8) as engine:
+        hits = []
+        for name in ("a", "b", None, "a"):
+            before = engine.stats().prefix_cache_hits
+            out = engine.generate([prompt], GREEDY, use_tqdm=False,
+                                  lora_request=None if name is None else adapters[name][0])
+            hits.append(engine.stats().prefix_cache_hits - before)
+            assert out[0].outputs[0].token_ids == reference(base, adapters, prompt, name), name
+    assert hits[:3] == [0, 0, 0] and hits[3] > 0
+
+
+def test_n_samples_and_ngram_drafts_keep_the_adapter(setup):
+    base, adapters = setup
+    req = adapters["b"][0]
+    prompts = make_prompts(2, lengths=[20, 30], seed=11)
+    refs = [reference(base, adapters, p, "b") for p in prompts]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    with PagedGenerator(base, enable_lora=True, max_lora_rank=8, num_blocks=64, speculative_config=spec) as engine:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, n=2),
+                               use_tqdm=False, lora_request=req)
+    for out, ref in zip(outs, refs):
+        assert [c.token_ids for c in out.outputs] == [ref, ref]
+
+
+def test_preempted_adapter_rows_resume_with_their_adapter(setup):
+    base, adapters = setup
+    names = ["a", "b", None, "a"]
+    prompts = make_prompts(len(names), lengths=[24, 24, 24, 24], seed=13)
+    refs = [reference(base, adapters, p, n) for p, n in zip(prompts, names)]
+    with PagedGenerator(base, enable_lora=True, max_lora_rank=8, num_blocks=13, block_size=8,
+                        enable_prefix_caching=False) as engine:
+        outs = engine.generate(prompts, GREEDY, use_tqdm=False,
+                               lora_request=[None if n is None else adapters[n][0] for n in names])
+        assert sum(engine.stats().num_preemptions.values()) > 0
+    assert [o.outputs[0].token_ids for o in outs] == refs
+
+
+@pytest.mark.parametrize("runner", [dict(decode_runner="static"), dict(decode_runner="native", prepack_weights=True)])
+def test_fast_decode_runners_serve_base_steps_and_adapter_steps_run_eager(tmp_path, runner):
+    """Adapter steps leave the decode buckets / native program (their slots are set only for that forward);
+    base-only steps still take the fast runner, and every row keeps its parity."""
+    base = make_model("llama")
+    peft_model = make_adapter(base, tmp_path, seed=21, **ADAPTERS["b"])
+    req = LoRARequest("b", 1, str(tmp_path))
+    prompts = make_prompts(4, seed=17)
+    names = [None, "b", None, "b"]
+    refs = [stock_greedy(peft_model if n else base, p, MAX_TOKENS) for p, n in zip(prompts, names)]
+    try:
+        engine = PagedGenerator(base, enable_lora=True, max_lora_rank=8, num_blocks=64, **runner)
+    except ValueError as e:  # the native program needs kernels this CPU may lack
+        pytest.skip(str(e))
+    with engine:
+        fast = engine.executor.runner.fast
+        assert fast is not None
+        calls = []
+        original = fast.run
+        fast.run = lambda step: calls.append(step) or original(step)
+        mixed = engine.generate(prompts, GREEDY, use_tqdm=False,
+                                lora_request=[req if n else None for n in names])
+        assert not calls  # every step of that batch had adapter rows
+        only_base = engine.generate([prompts[0]], GREEDY, use_tqdm=False)
+        assert calls  # base-only decode steps take the fast runner
+        assert all(layer.lora is None for layer in engine.executor.lora._layers.values())
+    assert [o.outputs[0].token_ids for o in mixed] == refs
+    assert only_base[0].outputs[0].token_ids == refs[0]
+
+
+def test_swap_preemption_and_quantized_base_with_adapters(tmp_path):
+    """Swapped-out adapter rows come back with their adapter; an int8 base applies the slots too (the adapter
+    changes its tokens)."""
+    base = make_model("llama")
+    peft_model = make_adapter(base, tmp_path, seed=23, **ADAPTERS["a"])
+    req = LoRARequest("a", 1, str(tmp_path))
+    names = ["a", None, "a", "a"]
+    prompts = make_prompts(len(names), lengths=[24, 24, 24, 24], seed=19)
+    refs = [stock_greedy(peft_model if n else base, p, MAX_TOKENS) for p, n in zip(prompts, names)]
+    loras = [req if n else None for n in names]
+    with PagedGenerator(base, enable_lora=True, max_lora_rank=8, num_blocks=13, block_size=8,
+                        enable_prefix_caching=False, preemption_mode="swap", swap_space=1 << 22) as engine:
+        outs = engine.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        assert engine.stats().num_preemptions["swap"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == refs
+
+    with PagedGenerator(base, enable_lora=True, max_lora_rank=8, num_blocks=64, quantization="int8") as engine:
+        quant_base, quant_lora = (engine.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=r)[0]
+                                  for r in (None, req))
+    assert quant_lora.outputs[0].token_ids != quant_base.outputs[0].token_ids
