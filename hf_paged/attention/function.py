@@ -169,19 +169,6 @@ def _record_layout(
     probe.modules[layer_idx] = type(module).__name__
 
 
-def chunked_attention_size(model: torch.nn.Module) -> int | None:
-    """Chunk size of a model with chunked local attention layers (Llama 4), else None.
-
-    Such a layer attends only within fixed chunks of the sequence; the paged kernels have no chunked mask,
-    so the engine is exact only for sequences no longer than one chunk (where it equals causal attention).
-    """
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    size = getattr(cfg, "attention_chunk_size", None)
-    if size and "chunked_attention" in (getattr(cfg, "layer_types", None) or ()):
-        return int(size)
-    return None
-
-
 def paged_mask(*args, **kwargs):
     """Mask function of "hf_paged": none inside the engine, the original implementation's outside it."""
     if _ENGINE_FORWARD.get():

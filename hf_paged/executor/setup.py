@@ -27,7 +27,7 @@ from hf_paged.model.layers.linear import OwnedLinears, is_dense
 from hf_paged.executor.decode_buckets import DecodeBuckets, resolve_mode
 from hf_paged.executor.input_batch import BlockTables
 from hf_paged.executor.kv_pool import KVPool, decide_num_blocks, probe_kv_layout
-from hf_paged.model.hf_config import text_config
+from hf_paged.model.hf_config import chunked_attention_size, text_config
 from hf_paged.spec_decode.draft_model import DraftModelProposer
 from hf_paged.spec_decode.ngram import NgramProposer
 
@@ -41,7 +41,7 @@ def build_pool(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, 
         logger.warning("model is in training mode: dropout will make generation random; call model.eval()")
     specs = probe_kv_layout(model, cfg.kv_cache_dtype)
     model_max = max_positions(model)
-    chunk = attention.chunked_attention_size(model)
+    chunk = chunked_attention_size(model)
     if chunk is not None:  # exact only up to one attention chunk (Llama 4): cap the length there
         if cfg.max_model_len is not None and cfg.max_model_len > chunk:
             raise NotImplementedError(

@@ -14,3 +14,16 @@ def text_config(model_or_config):
     if not hasattr(cfg, "get_text_config") and hasattr(cfg, "config"):  # a model, not a config
         cfg = cfg.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def chunked_attention_size(model) -> int | None:
+    """Chunk size of a model with chunked local attention layers (Llama 4), else None.
+
+    Such a layer attends only within fixed chunks of the sequence; the paged kernels have no chunked mask,
+    so the engine is exact only for sequences no longer than one chunk (where it equals causal attention).
+    """
+    cfg = text_config(model)
+    size = getattr(cfg, "attention_chunk_size", None)
+    if size and "chunked_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return int(size)
+    return None
