@@ -222,6 +222,36 @@ def test_packs_route_engine_forwards_only_and_follow_weight_changes(kind):
     assert [type(m) for m in model] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
 
 
+@pytest.mark.parametrize("kind", ["mkl", "onednn", "native", "upcast"])
+def test_layers_pack_on_first_engine_forward_even_under_inference_mode(kind):
+    """Packing is lazy (the members of a packed q/k/v or gate/up group never need a pack of their own), so the
+    first pack is made inside an engine step, under ``torch.inference_mode``: it must still be an ordinary tensor
+    with a version counter (an ``upcast`` pack made there raised "Inference tensors do not track version
+    counter")."""
+    dtype = torch.bfloat16 if kind == "upcast" else torch.float32
+    if not packed_linear.available(kind, dtype):
+        pytest.skip(f"no {kind} packing for {dtype} here")
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 16)).to(dtype)
+    x = torch.randn(5, 32, dtype=dtype)
+    with torch.no_grad():
+        want = model(x)
+    owned = OwnedLinears(model)
+    packs = PackedLinears(model, kind)
+    assert len(packs) == 2 and all(m._pack is None for m in model)  # nothing packed before it is used
+    with torch.inference_mode(), engine_forward():
+        got = model(x)
+    assert all(m._pack is not None for m in model)
+    torch.testing.assert_close(got, want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # the pack made under inference_mode still sees in-place changes
+        want = model(x)
+    with torch.inference_mode(), engine_forward():
+        torch.testing.assert_close(model(x), want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+    packs.remove()
+    owned.remove()
+
+
 def test_prepack_weights_config_is_validated():
     from hf_paged.config import EngineConfig
 

@@ -340,6 +340,12 @@ def _spec(**kw):
     return spec(**kw)
 
 
+def _startup(**kw):
+    from hf_paged.bench.startup import startup
+
+    return startup(**kw)
+
+
 def _lora(**kw):
     from hf_paged.bench.lora import lora
 
@@ -379,4 +385,5 @@ def _host(**kw):
 WORKLOADS = {
     "chat": chat, "mixed": mixed, "latency": latency, "prefix": prefix, "spec": _spec, "serve": _serve, "host": _host,
     "arrival": _arrival, "structured": _structured, "replicas": _replicas, "lora": _lora,
+    "startup": _startup,
 }

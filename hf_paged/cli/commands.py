@@ -366,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a standard workload against its baselines (docs/benchmarks.md)",
                            formatter_class=fmt)
     bench.add_argument("workload", choices=["chat", "mixed", "latency", "prefix", "spec", "serve", "host", "arrival",
-                                            "structured", "replicas", "lora"])
+                                            "structured", "replicas", "lora", "startup"])
     bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights and KV cache dtype")
     bench.add_argument("--repeat", type=_positive_int, default=1, help="runs per system; the fastest counts")
     _add_kv_cache_dtype(bench)

@@ -80,7 +80,8 @@ class DenseLinear(torch.nn.Linear):
         if pack is None or pack.stale(weight):
             if weight.dtype != packer.dtype or weight.device.type != "cpu" or weight.is_inference():
                 return None
-            pack = self._pack = packer(weight)
+            with torch.inference_mode(False):  # packed during an engine step: normal tensors, with versions
+                pack = self._pack = packer(weight)
         return pack
 
     def set_packer(self, packer, pack_now: bool = True) -> None:

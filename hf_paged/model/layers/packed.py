@@ -121,7 +121,8 @@ class PackedLinears:
             packer = self._packer(w, kind)
             if packer is None:
                 continue
-            module.set_packer(packer)
+            # packed on first use: the members of a packed group (q/k/v, gate/up) never need a pack of their own
+            module.set_packer(packer, pack_now=False)
             nbytes += w.numel() * w.element_size()
             self._layers.append(module)
         logger.info(
