@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from hf_paged import SamplingParams
 from hf_paged.bench.baselines import hf_generate_batch, hf_padded_generate
 from hf_paged.bench.common import print_report
@@ -70,3 +72,31 @@ def test_prefix_restart_reports_each_tier_with_its_hits(tmp_path):
     assert set(report["ratio_to_cold"]) == {"pool", "host", "disk"}
     assert report["host_hits_blocks"] == 2 and report["disk_hits_blocks"] == 2  # 32 tokens = 2 blocks of 16
     assert report["disk_files_skipped"] == 0
+
+
+def test_model_shapes_have_their_published_sizes():
+    """The bigger shapes of ``--model-shape`` count the parameters their models publish (tied embeddings)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_paged.bench.shapes import SHAPES, shape_config
+
+    published = {"smollm2-360m": 361.8e6, "smollm2-1.7b": 1711.4e6, "qwen2.5-0.5b": 494.0e6}
+    assert set(SHAPES) == set(published)
+    for name, params in published.items():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(shape_config(name))
+        count = sum(p.numel() for p in model.parameters())
+        assert abs(count - params) / params < 0.01, (name, count)
+
+
+def test_model_shape_flag_is_checked_and_matches_the_shapes(capsys):
+    from hf_paged.bench.shapes import NAMES
+    from hf_paged.cli.commands import build_parser, main
+
+    bench = next(a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions
+                 if a.dest == "model_shape")
+    assert tuple(bench.choices) == NAMES and bench.default == NAMES[0]
+    assert main(["bench", "mixed", "--model-shape", "smollm2-360m"]) == 2
+    assert "--model-shape applies to the chat and latency workloads" in capsys.readouterr().err
+    assert main(["bench", "latency", "--model-shape", "qwen2.5-0.5b", "--systems", "gguf_q4_1"]) == 2
+    assert "with --model-shape use int4" in capsys.readouterr().err

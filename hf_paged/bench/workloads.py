@@ -12,6 +12,7 @@ from hf_paged.bench.baselines import hf_generate_batch, hf_padded_generate
 from hf_paged.bench.common import (
     SystemResult, best_of, compute_params, load_chat_messages, matmul_flops, print_report,
 )
+from hf_paged.bench.shapes import DEFAULT as DEFAULT_SHAPE, load_shape
 from hf_paged.model.default_model import load_default, parse_dtype
 from hf_paged.engine.engine_setup import token_id_list
 
@@ -111,8 +112,9 @@ def _warm_hf(model, prompts, pad_id):
     hf_padded_generate(model, prompts[:2], [4, 4], pad_id, None)
 
 
-def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, kv_cache_dtype: str = "auto", **_) -> dict:
-    model, tok = load_default(parse_dtype(dtype))
+def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, kv_cache_dtype: str = "auto",
+         model_shape: str = DEFAULT_SHAPE, **_) -> dict:
+    model, tok = load_shape(model_shape, parse_dtype(dtype))
     messages = load_chat_messages()
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in messages]
     eos = {tok.eos_token_id} | set(token_id_list(model.generation_config.eos_token_id))
@@ -132,7 +134,7 @@ def chat(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, 
     kw = dict(max_num_seqs=len(prompts), kv_cache_dtype=kv_cache_dtype)
     if EAGER in want:
         results.append(_kv_label(_eager_run(model, prompts, params, kw, repeat), kv_cache_dtype))
-    extra = {"requests": len(prompts), "model": "SmolLM2-135M-Instruct"}
+    extra = {"requests": len(prompts), "model": _model_label(model_shape)}
     tp_outputs = {}
     for name, tp_kw in TP2_SYSTEMS.items():  # the engine sharded over 2 processes (they share this machine's cores)
         if name not in want:
@@ -261,8 +263,8 @@ def _static_batch_waste(prompts, limits, batch_size) -> float:
 
 
 def latency(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, kv_cache_dtype: str = "auto",
-            **_) -> dict:
-    model, tok = load_default(parse_dtype(dtype))
+            model_shape: str = DEFAULT_SHAPE, **_) -> dict:
+    model, tok = load_shape(model_shape, parse_dtype(dtype))
     text = " ".join(m[0]["content"] for m in load_chat_messages())
     prompt = tok(text)["input_ids"][:128]
     want = systems or set(SYSTEMS["latency"])
@@ -276,7 +278,12 @@ def latency(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = Non
         results.append(_kv_label(_eager_run(model, [prompt], params, base, repeat), kv_cache_dtype))
     results += _engine_rounds(want, dtype, model, [prompt], params, base, repeat)[0]
     ms = {r.system: round(1000 * r.seconds / r.tokens, 2) for r in results}
-    return print_report("latency", dtype, results, _kv_name(ENGINE, kv_cache_dtype), {"ms_per_output_token": ms})
+    return print_report("latency", dtype, results, _kv_name(ENGINE, kv_cache_dtype),
+                        {"ms_per_output_token": ms, "model": _model_label(model_shape)})
+
+
+def _model_label(model_shape: str) -> str:
+    return "SmolLM2-135M-Instruct" if model_shape == DEFAULT_SHAPE else f"{model_shape} shape, random weights"
 
 
 def prefix_requests(n: int = 64, prefix_len: int = 512, suffix_len: int = 32, seed: int = 0, vocab: int = 32000):

@@ -114,6 +114,13 @@ def cmd_bench(args) -> int:
         raise UsageError(f"--restart and --prompt-len apply to the prefix workload, not {args.workload}")
     if args.prompt_len is not None and not args.restart:
         raise UsageError("--prompt-len applies to prefix --restart")
+    if args.model_shape != "smollm2-135m":
+        if args.workload not in ("chat", "latency"):
+            raise UsageError(f"--model-shape applies to the chat and latency workloads, not {args.workload}")
+        if any(s.startswith("gguf") for s in systems or ()):
+            raise UsageError("the gguf_q4_1 systems run the default model's GGUF file; with --model-shape use int4 "
+                             "or int8 (quantized at start)")
+        extra["model_shape"] = args.model_shape
     if args.restart:
         from hf_paged.bench.kv_tiers import prefix_restart
 
@@ -374,6 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "eager (hf_paged with enforce_eager=True, for A/B runs); chat and latency also gguf_q4_1, int8, "
                        "int4 (quantized weights; with -a8 or -bf16, e.g. int8-a8: int8 or bf16 activations); chat also tp2, "
                        "tp2-int8, tp2-int4 (tensor_parallel_size=2, float or quantized weights); replicas: pow2,prefix (routings)")
+    bench.add_argument("--model-shape", default="smollm2-135m",
+                       choices=["smollm2-135m", "smollm2-360m", "smollm2-1.7b", "qwen2.5-0.5b"],
+                       help="chat, latency: a bigger model's shape with seeded random weights (speed only; "
+                       "docs/benchmarks.md#bigger-models)")
     bench.add_argument("--restart", action="store_true",
                        help="prefix: TTFT of a long shared prompt cold, from the pool, the host tier and the disk tier "
                        "(a new engine on the same folder), instead of the batch run (docs/kv_tiers.md)")
