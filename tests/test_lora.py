@@ -70,6 +70,28 @@ def test_mixed_batch_equals_peft(setup):
     assert [o.outputs[0].token_ids for o in outs] == refs
 
 
+def test_mixed_batch_equals_merge_and_unload(setup):
+    """Each row equals PEFT's merged model (``merge_and_unload``: W + scale * B A folded into the weight) for its
+    adapter. The engine adds the delta unmerged, so the logits differ from the merged model's by float rounding
+    (~1e-7 relative in fp32); on these seeded models no greedy choice is that close, so the ids must be equal, and
+    a wrong scale, a missed module or a row given another row's adapter changes them (checked below)."""
+    base, adapters = setup
+    merged = {name: copy.deepcopy(model).merge_and_unload() for name, (_, model) in adapters.items()}
+    assert not any("lora" in name for name, _ in merged["a"].named_modules())  # really merged: plain linears
+    names = [None, "a", "b", "c", None, "c", "b", "a"]
+    prompts = make_prompts(len(names), seed=4)
+    refs = [stock_greedy(base if n is None else merged[n], p, MAX_TOKENS) for p, n in zip(prompts, names)]
+    for name in ADAPTERS:  # every adapter changes its rows' tokens, and differently from the other adapters
+        rows = [i for i, n in enumerate(names) if n == name]
+        assert any(refs[i] != stock_greedy(base, prompts[i], MAX_TOKENS) for i in rows), name
+        others = [m for m in ADAPTERS if m != name]
+        assert all(any(refs[i] != stock_greedy(merged[m], prompts[i], MAX_TOKENS) for i in rows) for m in others)
+    with PagedGenerator(base, enable_lora=True, max_loras=3, max_lora_rank=8, num_blocks=64) as engine:
+        outs = engine.generate(prompts, GREEDY, use_tqdm=False,
+                               lora_request=[None if n is None else adapters[n][0] for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == refs
+
+
 def test_more_adapters_than_max_loras_queue(setup):
     """Three adapters with max_loras=1: they take turns, every request finishes with its adapter's tokens."""
     base, adapters = setup
