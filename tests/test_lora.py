@@ -206,3 +206,28 @@ def test_swap_preemption_and_quantized_base_with_adapters(tmp_path):
         quant_base, quant_lora = (engine.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=r)[0]
                                   for r in (None, req))
     assert quant_lora.outputs[0].token_ids != quant_base.outputs[0].token_ids
+
+
+def test_another_engine_on_the_model_never_gets_an_adapter_steps_deltas(tmp_path):
+    """Engines on one model share its linear layer objects: while a LoRA engine's step has its slots on them, a
+    plain engine's forward in another thread (same token count) runs the base model, not that step's adapter."""
+    import threading
+
+    base = make_model("llama")
+    make_adapter(base, tmp_path, seed=25, **ADAPTERS["a"])
+    req = LoRARequest("a", 1, str(tmp_path))
+    prompt = make_prompts(1, lengths=[12], seed=23)[0]
+    with PagedGenerator(base, enable_lora=True, max_lora_rank=8, num_blocks=32) as lora_engine, \
+            PagedGenerator(base, num_blocks=32) as plain:
+        lora_engine.add_lora(req)
+        manager = lora_engine.executor.lora
+        outs = []
+        manager.set_step([(1, len(prompt))], torch.device("cpu"))  # the LoRA engine mid-step, in this thread
+        try:
+            assert any(layer.lora is not None for layer in manager._layers.values())
+            other = threading.Thread(target=lambda: outs.extend(plain.generate([prompt], GREEDY, use_tqdm=False)))
+            other.start()
+            other.join(120)
+        finally:
+            manager.clear_step()
+        assert outs[0].outputs[0].token_ids == stock_greedy(base, prompt, MAX_TOKENS)
