@@ -84,9 +84,11 @@ def test_mixed_batch_equals_one_process_and_adapters_reach_every_rank(tmp_path):
         assert sorted(r.lora_name for r in engine.list_loras()) == ["a", "b"]
         assert engine.remove_lora(1) is True and engine.remove_lora(1) is False
         assert [r.lora_name for r in engine.list_loras()] == ["b"]
-        again = engine.generate(prompts[4:], GREEDY, use_tqdm=False, lora_request=loras[4:])  # "a" loaded again
-        assert [o.outputs[0].token_ids for o in again] == want[4:]
-        assert sorted(r.lora_name for r in engine.list_loras()) == ["a", "b"]
+        # id 1 again, now for b's folder: a rank that had kept "a" under id 1 would refuse it
+        c = LoRARequest("c", 1, str(tmp_path / "b"))
+        again = engine.generate([prompts[4]] * 2, GREEDY, use_tqdm=False, lora_request=[requests["b"], c])
+        assert [o.outputs[0].token_ids for o in again] == [want[4]] * 2
+        assert sorted(r.lora_name for r in engine.list_loras()) == ["b", "c"]
         engine.kv_manager.check_consistency()
     finally:
         engine.close()
