@@ -253,8 +253,6 @@ class EngineConfig:
                 raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
         if not self.enable_lora:
             return
-        if self.tensor_parallel_size > 1:
-            raise NotImplementedError("enable_lora with tensor_parallel_size > 1 is not supported yet (one process)")
         if self.decode_runner == "inductor":
             raise ValueError("decode_runner='inductor' conflicts with enable_lora (its compiled graphs would not "
                              "see the adapter slots); use 'auto'")

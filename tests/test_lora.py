@@ -70,6 +70,30 @@ def test_mixed_batch_equals_peft(setup):
     assert [o.outputs[0].token_ids for o in outs] == refs
 
 
+def test_mixed_batch_equals_merge_and_unload(setup):
+    """Each row equals PEFT's merged model (``merge_and_unload``: W + scale * B A folded into the weight) for its
+    adapter. The engine adds the delta unmerged, so its logits differ from the merged model's by float rounding:
+    measured up to 2e-5 on logits of about 5 (fp32) at the greedy positions of this test, whose closest top-1/top-2
+    gap is 2.2e-3 (100x more), so the ids must be equal; a wrong scale, a missed module or a row given another row's adapter changes
+    them (the adapters' rows differ from the base's and from each other's, checked below). Other seeds may bring a
+    near-tie closer than the rounding: then a mismatch is no bug, and the seed should move."""
+    base, adapters = setup
+    merged = {name: copy.deepcopy(model).merge_and_unload() for name, (_, model) in adapters.items()}
+    assert not any("lora" in name for name, _ in merged["a"].named_modules())  # really merged: plain linears
+    names = [None, "a", "b", "c", None, "c", "b", "a"]
+    prompts = make_prompts(len(names), seed=4)
+    refs = [stock_greedy(base if n is None else merged[n], p, MAX_TOKENS) for p, n in zip(prompts, names)]
+    for name in ADAPTERS:  # every adapter changes its rows' tokens, and differently from the other adapters
+        rows = [i for i, n in enumerate(names) if n == name]
+        assert any(refs[i] != stock_greedy(base, prompts[i], MAX_TOKENS) for i in rows), name
+        others = [m for m in ADAPTERS if m != name]
+        assert all(any(refs[i] != stock_greedy(merged[m], prompts[i], MAX_TOKENS) for i in rows) for m in others)
+    with PagedGenerator(base, enable_lora=True, max_loras=3, max_lora_rank=8, num_blocks=64) as engine:
+        outs = engine.generate(prompts, GREEDY, use_tqdm=False,
+                               lora_request=[None if n is None else adapters[n][0] for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == refs
+
+
 def test_more_adapters_than_max_loras_queue(setup):
     """Three adapters with max_loras=1: they take turns, every request finishes with its adapter's tokens."""
     base, adapters = setup
@@ -184,3 +208,28 @@ def test_swap_preemption_and_quantized_base_with_adapters(tmp_path):
         quant_base, quant_lora = (engine.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=r)[0]
                                   for r in (None, req))
     assert quant_lora.outputs[0].token_ids != quant_base.outputs[0].token_ids
+
+
+def test_another_engine_on_the_model_never_gets_an_adapter_steps_deltas(tmp_path):
+    """Engines on one model share its linear layer objects: while a LoRA engine's step has its slots on them, a
+    plain engine's forward in another thread (same token count) runs the base model, not that step's adapter."""
+    import threading
+
+    base = make_model("llama")
+    make_adapter(base, tmp_path, seed=25, **ADAPTERS["a"])
+    req = LoRARequest("a", 1, str(tmp_path))
+    prompt = make_prompts(1, lengths=[12], seed=23)[0]
+    with PagedGenerator(base, enable_lora=True, max_lora_rank=8, num_blocks=32) as lora_engine, \
+            PagedGenerator(base, num_blocks=32) as plain:
+        lora_engine.add_lora(req)
+        manager = lora_engine.executor.lora
+        outs = []
+        manager.set_step([(1, len(prompt))], torch.device("cpu"))  # the LoRA engine mid-step, in this thread
+        try:
+            assert any(layer.lora is not None for layer in manager._layers.values())
+            other = threading.Thread(target=lambda: outs.extend(plain.generate([prompt], GREEDY, use_tqdm=False)))
+            other.start()
+            other.join(120)
+        finally:
+            manager.clear_step()
+        assert outs[0].outputs[0].token_ids == stock_greedy(base, prompt, MAX_TOKENS)

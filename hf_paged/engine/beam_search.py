@@ -63,6 +63,7 @@ class BeamSearch:
         keep_scores: Keep each step's processed log-probs (HF ``output_scores``).
         grammar: The compiled structured output every beam follows (``BeamSearchParams.structured_outputs``
             after the engine compiled it); the runner masks each beam's row with its own matcher.
+        lora_int_id: The LoRA adapter every beam runs with (0: the base model); forked beams inherit it.
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class BeamSearch:
         keep_scores: bool = False,
         device: torch.device | str = "cpu",
         grammar=None,
+        lora_int_id: int = 0,
     ) -> None:
         self.prompts = prompts
         self.params = params
@@ -111,7 +113,7 @@ class BeamSearch:
         seq_params = SamplingParams(max_tokens=M + 1, temperature=0.0, ignore_eos=True, structured_outputs=grammar)
         self.prompt_requests = []
         for b, prompt in enumerate(prompts):
-            request = Sequence(f"{request_id}-beam{b}", prompt, seq_params)
+            request = Sequence(f"{request_id}-beam{b}", prompt, seq_params, lora_int_id=lora_int_id)
             request.is_beam = True
             self.prompt_requests.append(request)
         self._new_seq_id = new_seq_id

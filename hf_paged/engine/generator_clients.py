@@ -138,27 +138,35 @@ class GeneratorClients:
                     self.step()
 
     def beam_search(
-        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams | None = None
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt (stock ``generate(num_beams=...)`` semantics), beams sharing blocks.
 
         All prompts are searched in lockstep inside the engine's continuous batch; other requests keep
-        running beside them.
+        running beside them. ``lora_request``: every beam of every prompt runs with this LoRA adapter
+        (``enable_lora``; one adapter per search), None: the base model.
         """
         params = BeamSearchParams() if params is None else params
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         prompt_ids = [token_ids(p, self.tokenizer, self.vocab_size)[0] for p in as_prompt_list(prompts)]
-        search = self.start_beam_search(prompt_ids, params)
+        search = self.start_beam_search(prompt_ids, params, lora_request=lora_request)
         self.run_until(lambda: search.done)
         search.raise_if_failed()
         return search.results(params.num_return_sequences, self.tokenizer)
 
     def start_beam_search(
         self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: Sequence[int] | None = None,
-        fill_token_id: int | None = None, keep_scores: bool = False,
+        fill_token_id: int | None = None, keep_scores: bool = False, lora_request: LoRARequest | None = None,
     ) -> BeamSearch:
-        """Admit a beam search over token-id prompts; the engine's steps advance it (``search.done``)."""
+        """Admit a beam search over token-id prompts; the engine's steps advance it (``search.done``).
+
+        One LoRA adapter (or none) for the whole search: its beams wait in lockstep for each other, so prompts of
+        more distinct adapters than ``max_loras`` could wait for each other forever."""
+        if isinstance(lora_request, (list, tuple)):
+            raise TypeError("beam search takes one lora_request for all its prompts (or None), not a list; run one "
+                            "search per adapter")
         if params.structured_outputs is not None:  # compiled before the lock, as for sampled requests
             params = self.prepare_structured(params)
         grammar = params.structured_outputs
@@ -173,8 +181,9 @@ class GeneratorClients:
                         f"beam search of {params.max_tokens} tokens after a {len(prompt)}-token prompt exceeds "
                         f"max_model_len={self.max_model_len}"
                     )
+            lora_id = self._lora_id(lora_request)
             search = BeamSearch(prompts, params, eos, fill_token_id, f"beam{next(self._ids)}", self.scheduler.next_seq_id,
-                                keep_scores, grammar=grammar)
+                                keep_scores, grammar=grammar, lora_int_id=lora_id)
             for request in search.prompt_requests:
                 self.scheduler.check_request(request)
             for request in search.prompt_requests:

@@ -43,6 +43,7 @@ from hf_paged.executor.process_group import (  # noqa: F401 - TensorParallelErro
 )
 from hf_paged.executor.shard_loading import ModelSource
 from hf_paged.executor.tensor_parallel import check_shardable
+from hf_paged.executor.tp_lora import LoRAUpdate, TensorParallelLoRA, apply_lora_update
 from hf_paged.spec_decode.draft_model import truncated_view
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,8 @@ def run_worker(source: ModelSource, cfg: EngineConfig, rank: int, world: int, in
             if isinstance(box[0], DraftStep):
                 with torch.inference_mode():
                     _draft_forward(executor, views, box[0])
+            elif isinstance(box[0], LoRAUpdate):
+                apply_lora_update(executor.lora, box[0])  # a failure is rank 0's to report
             else:
                 executor.execute_forward(box[0])
     except BaseException as e:  # noqa: BLE001 - reported to rank 0 where it can still listen
@@ -226,6 +229,7 @@ class TensorParallelExecutor(Executor):
                 raise TensorParallelError(self._worker_errors() or str(e)) from None
             raise
         self.model = self.inner.model
+        self.lora = TensorParallelLoRA(self, self.inner.lora) if self.inner.lora is not None else None
         self.runner = self.inner.runner  # rank 0's model runner: for white-box tests, not part of the contract
         self.max_model_len = self.inner.max_model_len
         self.num_blocks = self.inner.num_blocks
@@ -352,14 +356,30 @@ class TensorParallelExecutor(Executor):
         except TensorParallelError:
             raise
         except Exception as e:  # noqa: BLE001 - the ranks may be out of step now: the group cannot go on
-            # a peer's death shows as a broken connection first: give its process a moment to be seen dead
-            deadline = time.monotonic() + 2.0
-            while self.processes and all(p.is_alive() for p in self.processes) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            dead = [f"rank {r}, {_exit_text(p.exitcode)}" for r, p in enumerate(self.processes, 1) if not p.is_alive()]
-            summary = (f"a tensor-parallel worker exited ({'; '.join(dead)})" if dead
-                       else "a tensor-parallel collective failed")
-            self._fail(summary, f"{summary}: {_first_line(e)}", e)
+            self._collective_failed(e)
+
+    def update_lora(self, update: LoRAUpdate):
+        """Apply an adapter change on every rank (:mod:`hf_paged.executor.tp_lora`); raises rank 0's error, or
+        one naming the ranks where it failed (then no rank keeps the adapter)."""
+        self._check_alive()
+        try:
+            self._broadcast(update)
+            result, error = apply_lora_update(self.inner.lora, update)
+        except Exception as e:  # noqa: BLE001 - a collective broke: the group cannot go on
+            self._collective_failed(e)
+        if error is not None:
+            raise error
+        return result
+
+    def _collective_failed(self, e: Exception):
+        # a peer's death shows as a broken connection first: give its process a moment to be seen dead
+        deadline = time.monotonic() + 2.0
+        while self.processes and all(p.is_alive() for p in self.processes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dead = [f"rank {r}, {_exit_text(p.exitcode)}" for r, p in enumerate(self.processes, 1) if not p.is_alive()]
+        summary = (f"a tensor-parallel worker exited ({'; '.join(dead)})" if dead
+                   else "a tensor-parallel collective failed")
+        self._fail(summary, f"{summary}: {_first_line(e)}", e)
 
     def add_proposer(self, key: str, spec) -> None:
         if spec.self_draft_layers is None:  # ngram, or a separate draft model: rank 0's alone

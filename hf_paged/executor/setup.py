@@ -18,6 +18,7 @@ from hf_paged.model.layers.fused_decoder import FAMILIES, FusedLayers
 from hf_paged.executor.native_program import DecodeProgram
 from hf_paged.model.layers.packed import PackedLinears
 from hf_paged.executor.program_fit import hooks, skipped_modules, why_not
+from hf_paged.executor.tensor_parallel import shard_of
 from hf_paged.model.layers.quant_linear import QuantLinear
 from hf_paged.model.layers.quantize import QuantizedLinears
 from hf_paged.lora.attach import adaptable_linears, attach_slots
@@ -151,7 +152,9 @@ def make_lora(model: torch.nn.Module, cfg: EngineConfig):
     linears = adaptable_linears(model)
     if not linears:
         raise ValueError("enable_lora: this model has no linear layers inside its decoder layers to adapt")
-    manager = LoRAManager(linears, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras)
+    shard = shard_of(model)  # a tensor-parallel rank: adapters are cut like their layers
+    parts = shard.linear_parts if shard is not None else None
+    manager = LoRAManager(linears, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, parts)
     return manager, attach_slots(model, manager)
 
 

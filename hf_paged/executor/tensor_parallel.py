@@ -21,6 +21,7 @@ Each rank's attention modules see only their heads, so the KV pool a rank builds
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,9 @@ class Shard:
     # module name -> "sum" (row-parallel) or "gather" (the LM head): the linears :func:`parallelize` completes
     reduce: dict[str, str] = field(default_factory=dict)
     vocab: int = 0  # the full vocabulary (the LM head's rows before the split)
+    # sharded linear's module name -> (dim, start, stop, full): the output rows (dim 0, colwise) or input columns
+    # (dim 1, rowwise) [start, stop) this rank keeps of the full layer's ``full`` (a LoRA adapter is cut the same way)
+    linear_parts: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
 
 
 def tp_plan(model: torch.nn.Module) -> dict[str, str]:
@@ -140,16 +144,18 @@ def _slice_param(module: torch.nn.Module, name: str, dim: int, start: int, stop:
 
 
 def _slice_linear(module: torch.nn.Module, name: str, style: str, start: int, stop: int, rank: int,
-                  slices: dict) -> None:
+                  slices: dict, parts: dict) -> None:
     """Keep rank ``rank``'s part of one linear: output rows ``[start, stop)`` (colwise) or input columns (rowwise;
     the bias on rank 0 only). A quantized linear keeps the same rows of its bytes, or the bytes of the blocks of
     those columns (which must fall on its blocks of 32); its int8 row scales stay whole (the full row's)."""
     quantized = type(module) is QuantLinear
     if style == "colwise":
+        parts[name] = (0, start, stop, module.out_features)
         for leaf in ("qweight", "scales", "bias") if quantized else ("weight", "bias"):
             _slice_param(module, leaf, 0, start, stop, slices, name)
         module.out_features = stop - start
         return
+    parts[name] = (1, start, stop, module.in_features)
     if quantized:
         if start % GROUP or stop % GROUP:
             raise NotImplementedError(
@@ -204,6 +210,7 @@ def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
     q0, q1, k0, k1 = head_split(heads, kv, world)[rank]
     plan = tp_plan(model)
     slices: dict[str, tuple[int, int, int]] = {}
+    parts: dict[str, tuple[int, int, int, int]] = {}
     reduce: dict[str, str] = {}
     head_dim = None
     attention_modules = set()
@@ -227,7 +234,7 @@ def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
         else:
             size = module.out_features if style == "colwise" else module.in_features
             start, stop = rank * size // world, (rank + 1) * size // world
-        _slice_linear(module, name, style, start, stop, rank, slices)
+        _slice_linear(module, name, style, start, stop, rank, slices, parts)
         if style == "rowwise":
             reduce[name] = "sum"
     for module in attention_modules:
@@ -256,7 +263,7 @@ def shard_model(model: torch.nn.Module, rank: int, world: int) -> Shard:
     reduce[head_name] = "gather"
     model.config.tie_word_embeddings = False  # never re-tie the slice to the full embedding
     text_config(model).tie_word_embeddings = False
-    return Shard(rank, world, q1 - q0, k1 - k0, (start, stop), slices, reduce, vocab)
+    return Shard(rank, world, q1 - q0, k1 - k0, (start, stop), slices, reduce, vocab, parts)
 
 
 def parallelize(model: torch.nn.Module, shard: Shard) -> torch.nn.Module:
@@ -273,4 +280,14 @@ def parallelize(model: torch.nn.Module, shard: Shard) -> torch.nn.Module:
             model.set_output_embeddings(layer)
         else:
             setattr(parent, leaf, layer)
+    _SHARDS[model] = shard
     return model
+
+
+# a rank's model -> its Shard (the model is the rank's private object: kept as long as it lives)
+_SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def shard_of(model: torch.nn.Module) -> Shard | None:
+    """The :class:`Shard` a tensor-parallel rank's ``model`` was cut to (:func:`parallelize`), or None."""
+    return _SHARDS.get(model)

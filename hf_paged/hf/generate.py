@@ -100,8 +100,8 @@ def paged_generate(
     loras = None
     if adapters is not None and not reasons:
         loras = adapters.row_requests(adapter_names, 1 if input_ids.dim() == 1 else input_ids.shape[0])
-        if (gen_cfg.num_beams or 1) > 1 and any(loras):
-            reasons.append("beam search with a LoRA adapter")
+        if (gen_cfg.num_beams or 1) > 1 and len(set(loras)) > 1:  # a search runs with one adapter (or none)
+            reasons.append("beam search with different LoRA adapters per row")
     if reasons:
         if adapter_names is not None:
             stock_args["adapter_names"] = adapter_names
@@ -122,7 +122,7 @@ def paged_generate(
         return _fallback(self, [f"no room for new tokens (max_new_tokens={max_new})"], stock_args, gen_cfg)
     if (gen_cfg.num_beams or 1) > 1:
         return beam_generate(self.paged, gen_cfg, _prompts(gen_cfg, model_kwargs, input_ids), input_ids, max_new,
-                             _min_new(gen_cfg, width))
+                             _min_new(gen_cfg, width), loras[0] if loras else None)
     engine = self.paged
     speculative = _speculative_config(gen_cfg, assistant_model)
     rows = _add_rows(engine, gen_cfg, model_kwargs, input_ids, max_new, speculative, row_hooks, loras)

@@ -20,7 +20,8 @@ def fill_token_id(gen_cfg: GenerationConfig) -> int:
 
 
 def beam_generate(
-    engine, gen_cfg: GenerationConfig, prompts: list[list[int]], input_ids: torch.Tensor, max_new: int, min_new: int
+    engine, gen_cfg: GenerationConfig, prompts: list[list[int]], input_ids: torch.Tensor, max_new: int, min_new: int,
+    lora_request=None,
 ):
     eos = token_id_list(gen_cfg.eos_token_id)
     n_return = gen_cfg.num_return_sequences or 1
@@ -37,7 +38,7 @@ def beam_generate(
     )
     want_scores = bool(gen_cfg.return_dict_in_generate and gen_cfg.output_scores)
     search = engine.start_beam_search(prompts, params, eos_token_ids=(), fill_token_id=fill_token_id(gen_cfg),
-                                      keep_scores=want_scores)
+                                      keep_scores=want_scores, lora_request=lora_request)
     try:
         engine.run_until(lambda: search.done)
     finally:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from hf_paged.lora.loading import LoRAWeights, load_lora
+from hf_paged.lora.loading import LoRALayerWeights, LoRAWeights, load_lora
 from hf_paged.lora.request import LoRARequest
 from hf_paged.lora.slots import LoRASlot, StepPlan, plan_step
 
@@ -36,14 +36,22 @@ class LoRAManager:
         max_loras: Adapters resident at once (distinct adapters one step may mix).
         max_lora_rank: The largest rank an adapter may have.
         max_cpu_loras: Adapters whose weights stay in host memory (>= ``max_loras``); None: ``max_loras``.
+        parts: On a tensor-parallel rank, each sharded linear's part of the full layer: module name ->
+            ``(dim, start, stop, full)``, its output rows (dim 0: column-parallel) or input columns (dim 1:
+            row-parallel) ``[start, stop)`` of ``full``. Adapters are checked against the full layers and cut like
+            them: a column-parallel layer's slot keeps B's rows ``[start, stop)`` (A whole), a row-parallel one's
+            keeps A's columns (B whole). A row-parallel slot's delta is then this rank's partial sum, added before
+            the layer's all-reduce, so the reduced output holds the adapter's delta once.
     """
 
     def __init__(self, linears: Mapping[str, torch.nn.Module], max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int | None = None) -> None:
+                 max_cpu_loras: int | None = None,
+                 parts: Mapping[str, tuple[int, int, int, int]] | None = None) -> None:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
-        self.targets = {name: (m.in_features, m.out_features) for name, m in linears.items()}
+        self.parts = {name: part for name, part in (parts or {}).items() if name in linears}
+        self.targets = {name: _full_shape(m, self.parts.get(name)) for name, m in linears.items()}
         self.slots: dict[str, LoRASlot] = {}
         for name, module in linears.items():
             weight = _float_weight(module)
@@ -161,11 +169,30 @@ class LoRAManager:
             slot = min(free, key=lambda s: (self._resident[s] is not None, self._slot_use[s]))
             weights = self._weights(lora_id)
             for name, layer in self.slots.items():
-                layer.set(slot, weights.layers.get(name))
+                layer.set(slot, _local(weights.layers.get(name), self.parts.get(name)))
             self._resident[slot] = lora_id
             self._slot_names[slot] = set(weights.layers)
         self._slot_use[slot] = self._steps
         return slot
+
+
+def _full_shape(module: torch.nn.Module, part: tuple[int, int, int, int] | None) -> tuple[int, int]:
+    """``(in_features, out_features)`` of the full layer ``module`` is (a part of, on a tensor-parallel rank)."""
+    if part is None:
+        return module.in_features, module.out_features
+    dim, _, _, full = part
+    return (module.in_features, full) if dim == 0 else (full, module.out_features)
+
+
+def _local(weights: LoRALayerWeights | None, part: tuple[int, int, int, int] | None) -> LoRALayerWeights | None:
+    """This rank's cut of one layer's adapter weights: B's output rows for a column-parallel part (dim 0), A's
+    input columns for a row-parallel one (dim 1); the whole weights where the layer is whole."""
+    if weights is None or part is None:
+        return weights
+    dim, start, stop, _ = part
+    if dim == 0:
+        return LoRALayerWeights(weights.a, weights.b[start:stop], weights.scale)
+    return LoRALayerWeights(weights.a[:, start:stop], weights.b, weights.scale)
 
 
 def _float_weight(module: torch.nn.Module) -> torch.Tensor:

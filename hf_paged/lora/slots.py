@@ -10,7 +10,8 @@ of rows is a view, not a gather.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +30,9 @@ class StepPlan:
     num_tokens: int
     rows: slice | torch.Tensor | None  # None: ``segments`` are runs of the batch itself (no gather, no scatter)
     segments: list[tuple[int, int, int]]  # (slot index, start, end) within ``rows``, or within the batch
+    # the thread running the step's forward: engines on one model share its layer objects, and another engine's
+    # forward in another thread must not pick up this step's slots
+    thread: int = field(default_factory=threading.get_ident)
 
     @property
     def num_rows(self) -> int:
@@ -114,7 +118,7 @@ class LoRASlot:
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` ``[..., out]`` plus each row's adapter delta from ``x`` ``[..., in]`` (the same rows)."""
         plan: StepPlan | None = self._source.plan
-        if plan is None or self.a is None:
+        if plan is None or self.a is None or plan.thread != threading.get_ident():
             return y
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] != plan.num_tokens:
