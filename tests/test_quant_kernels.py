@@ -85,13 +85,84 @@ def test_int8_mode_rows_do_not_depend_on_the_batch_and_forward_uses_it():
     layer.activations = "int8"
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(3))
     full = layer(x)
-    assert torch.equal(full, layer._call(native.hfq8_linear, x))
+    fn, mode, weight = layer.kernel()  # hfq8_linear, or the rows8 kernel where this host picked it
+    assert mode == "int8" and fn in (native.hfq8_linear, native.hfq8i_linear)
+    assert torch.equal(full, layer._call(fn, x, weight=weight))
     for i in (0, 4, 8):
         assert torch.equal(full[i : i + 1], layer(x[i : i + 1]))
     assert torch.equal(full[2:7], layer(x[2:7]))
     big = torch.randn(40, 128, generator=torch.Generator().manual_seed(5))  # above 16 rows (AMX tiles where present)
     assert torch.equal(layer(big)[20:], layer(big[20:]))
     assert torch.equal(layer(big)[3:25], layer(big[3:25]))
+
+
+def _rows8(native, layer):
+    copy = torch.empty(native.hfq8i_bytes(FORMATS[layer.fmt], layer.out_features, layer.in_features),
+                       dtype=torch.uint8)
+    assert native.hfq8i_repack(layer.qweight.data_ptr(), FORMATS[layer.fmt], layer.out_features,
+                               layer.in_features, copy.data_ptr(), 2) == 0
+    return copy
+
+
+@pytest.mark.parametrize("lib", Q8_LIBS)
+@pytest.mark.parametrize("n", [37, 64])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+def test_rows8_kernel_equals_rounded_x_times_dequantized_w_for_every_batch(fmt, n, lib):
+    """The interleaved int8 kernel (``csrc/quant_q8_rows8.h``) computes quantize_activations(x) @ dequant(W)^T
+    (+ bias) up to fp32 rounding, for every row tail of its 4-row tiles and a last group of fewer than 8 output
+    rows (37); and each row's result is the same whatever rows share its batch."""
+    native = _load(Q8_LIBS, lib)
+    if not native.hfq8i_available():
+        pytest.skip("build without AVX2")
+    layer, ref = _case(fmt, n=n, seed=n)
+    copy = _rows8(native, layer)
+    assert native.hfq8i_bytes(FORMATS["q8_0"], n, 96) == -1  # Q4 formats only: q8_0 keeps hfq8_linear
+    x = torch.randn(41, 96, generator=torch.Generator().manual_seed(7))
+    full = layer._call(native.hfq8i_linear, x, weight=copy)
+    want = F.linear(quantize_activations(x).double(), ref, layer.bias.double())
+    torch.testing.assert_close(full.double(), want, atol=1e-4, rtol=1e-5)
+    for rows in (1, 2, 3, 5, 16, 17):
+        assert torch.equal(full[:rows], layer._call(native.hfq8i_linear, x[:rows], weight=copy))
+    assert torch.equal(full[6:9], layer._call(native.hfq8i_linear, x[6:9], weight=copy))
+    grouped = QuantLinear(96, 2 * n, layer.fmt, torch.cat([layer.qweight, layer.qweight]), None,
+                          torch.cat([layer.bias, layer.bias]).detach(), "int8")  # as the program's q/k/v groups
+    both = grouped._call(native.hfq8i_linear, x, weight=_rows8(native, grouped))
+    assert torch.equal(both[:, :n], full) and torch.equal(both[:, n:], full)
+
+
+def test_layer_picks_one_int8_kernel_for_every_batch_and_follows_weight_changes(monkeypatch):
+    """HF_PAGED_Q8_LAYOUT forces the int8 kernel of Q4 weights; the interleaved copy is made again after the
+    weight changes in place (``load_state_dict``)."""
+    native = _load(Q8_LIBS, "host")
+    if not native.hfq8i_available():
+        pytest.skip("build without AVX2")
+    layer, _ = _case("q4_1", n=40, k=96)
+    layer.activations = "int8"
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(4))
+    got = {}
+    for layout in ("rows8", "blocks"):
+        monkeypatch.setenv(ql.ROWS8_ENV, layout)
+        monkeypatch.setattr(ql, "_rows8", None)
+        fn, _, weight = layer.kernel()
+        assert fn == (native.hfq8i_linear if layout == "rows8" else native.hfq8_linear)
+        assert weight is (layer.qweight if layout == "blocks" else layer._rows8_copy())
+        got[layout] = layer(x)
+        assert torch.equal(got[layout][2:3], layer(x[2:3]))
+    torch.testing.assert_close(got["rows8"], got["blocks"], atol=1e-4, rtol=1e-5)
+    monkeypatch.setenv(ql.ROWS8_ENV, "rows8")
+    monkeypatch.setattr(ql, "_rows8", None)
+    before = layer(x)
+    other, _ = _case("q4_1", n=40, k=96, seed=5)
+    with torch.no_grad():
+        layer.qweight.copy_(other.qweight)  # in place, as load_state_dict does
+        layer.bias.copy_(other.bias)
+    other.activations = "int8"
+    assert torch.equal(layer(x), other(x))
+    assert not torch.equal(layer(x), before)
+    monkeypatch.setenv(ql.ROWS8_ENV, "fastest")
+    monkeypatch.setattr(ql, "_rows8", None)
+    with pytest.raises(ValueError, match="HF_PAGED_Q8_LAYOUT must be 'rows8' or 'blocks'"):
+        layer(x)
 
 
 def test_int8_mode_without_its_library_uses_float_kernel_or_torch(monkeypatch):

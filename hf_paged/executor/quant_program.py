@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from hf_paged.model.layers.quant_linear import FORMATS, TILED_ROWS, QuantEmbedding, QuantLinear, kernel, native_library
+from hf_paged.model.layers.quant_linear import FORMATS, TILED_ROWS, QuantEmbedding, QuantLinear, native_library
 
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # parent -> {names: (members, group)}
 
@@ -67,7 +67,7 @@ class QuantOp:
 
     def __init__(self, layer: QuantLinear, x: torch.Tensor, x_stride: int, y: torch.Tensor, rows: ctypes.c_int,
                  threads: int) -> None:
-        self.fn, mode = kernel(layer.activations)
+        self.fn, mode, weight = layer.kernel()
         assert self.fn is not None, "QuantOp needs the native quantized kernel"
         if x.dtype == torch.bfloat16:  # a bf16 model's buffers: the bf16 mode's bf16-in, bf16-out kernel
             assert mode == "bf16" and y.dtype == torch.bfloat16, "bf16 buffers need the bf16 kernel mode"
@@ -76,7 +76,8 @@ class QuantOp:
         self.layer, self.x, self.y, self.rows = layer, x, y, rows
         scales = None if layer.scales is None else layer.scales.data_ptr()
         bias = None if layer.bias is None else layer.bias.data_ptr()
-        self.args = (x.data_ptr(), x_stride, layer.qweight.data_ptr(), FORMATS[layer.fmt], scales, bias,
+        self.weight = weight  # held: the interleaved copy of the rows8 kernel lives as long as the op
+        self.args = (x.data_ptr(), x_stride, weight.data_ptr(), FORMATS[layer.fmt], scales, bias,
                      y.data_ptr(), y.shape[1])
         self.tail = (layer.out_features, layer.in_features, threads)
 

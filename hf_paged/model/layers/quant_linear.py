@@ -24,6 +24,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
+import time
 
 import torch
 
@@ -51,6 +53,10 @@ _Q8_FUNCTIONS = {
     "hfq8_amx": (_i32, []),
     "hfq8_linear": _LINEAR,
     "hfq8_quantize": (_i32, [_ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i32]),
+    "hfq8i_available": (_i32, []),
+    "hfq8i_bytes": (_i64, [_i32, _i32, _i32]),
+    "hfq8i_repack": (_i32, [_ptr, _i32, _i32, _i32, _ptr, _i32]),
+    "hfq8i_linear": _LINEAR,
 }
 _BF16_FUNCTIONS = {"hfqb_available": (_i32, []), "hfqb_linear": _LINEAR, "hfqb_linear_bf16": _LINEAR}
 QUANT_GEMM = NativeLibrary("quant_gemm.c", _FUNCTIONS, what="the native quantized linear kernel")
@@ -187,6 +193,66 @@ def describe_modes() -> dict[str, str]:
     return out
 
 
+ROWS8_FORMATS = ("q4_0", "q4_1")  # formats with an interleaved copy for the rows8 int8 kernel (csrc/quant_q8_rows8.h)
+ROWS8_ENV = "HF_PAGED_Q8_LAYOUT"  # "rows8" / "blocks": force the int8 kernel of Q4 weights (default: timed)
+_rows8: bool | None = None
+
+
+def rows8_chosen() -> bool:
+    """Whether int8-mode linears on Q4_0/Q4_1 weights run the rows8 kernel on an interleaved copy of the weight
+    (``csrc/quant_q8_rows8.h``) rather than ``hfq8_linear`` on the GGUF blocks.
+
+    Decided once per process, for every batch size (so a row's result does not depend on the batch): by
+    ``HF_PAGED_Q8_LAYOUT`` if set, else by timing both kernels at one and at 32 rows on a default-model weight
+    (kept across runs in :mod:`hf_paged.kernels.cpu.tuning_store`). Without VNNI the rows8 kernel was 2.2-3.7x
+    faster per call on a Zen 3 host; with VNNI or AMX the blocks kernel may win, hence the timing.
+    """
+    global _rows8
+    if _rows8 is None:
+        forced = os.environ.get(ROWS8_ENV, "").strip().lower()
+        if forced not in ("", "rows8", "blocks"):
+            raise ValueError(f"{ROWS8_ENV} must be 'rows8' or 'blocks' (or unset: timed), got {forced!r}")
+        lib = native_library("int8")
+        if lib is None or not lib.hfq8i_available():
+            _rows8 = False
+        elif forced:
+            _rows8 = forced == "rows8"
+        else:
+            _rows8 = _time_rows8(lib)
+    return _rows8
+
+
+def _time_rows8(lib: ctypes.CDLL, out_features: int = 960, in_features: int = 576) -> bool:
+    from hf_paged.kernels.cpu import tuning_store
+    from hf_paged.kernels.cpu.packed_linear import cold_bytes
+
+    key = f"q8-layout:q4_1:{out_features}x{in_features}"
+    timings = tuning_store.get(key)
+    if timings is None or set(timings) != {"blocks", "rows8"}:
+        g = torch.Generator().manual_seed(0)
+        layer = QuantLinear.from_weight(torch.randn(out_features, in_features, generator=g), None, "int4", "int8")
+        copies = max(4, min(64, -(-cold_bytes() // layer.qweight.numel())))  # weights from DRAM, as in a step
+        layers = [layer] + [QuantLinear(in_features, out_features, layer.fmt, layer.qweight.clone(), None, None, "int8")
+                            for _ in range(copies - 1)]
+        xs = [torch.randn(rows, in_features, generator=g) for rows in (1, 32)]
+        timings = {}
+        for name, fn in (("blocks", lib.hfq8_linear), ("rows8", lib.hfq8i_linear)):
+            weights = [m.qweight if name == "blocks" else m._rows8_copy() for m in layers]
+            best = float("inf")
+            for _ in range(4):  # the first round warms up
+                start = time.perf_counter()
+                for x in xs:
+                    for m, w in zip(layers, weights):
+                        m._call(fn, x, weight=w)
+                best = min(best, time.perf_counter() - start)
+            timings[name] = best / len(layers)
+        tuning_store.put(key, timings)
+    chosen = timings["rows8"] < timings["blocks"]
+    logger.info("int8 kernel for Q4 weights: blocks %.0f us, rows8 %.0f us -> %s", timings["blocks"] * 1e6,
+                timings["rows8"] * 1e6, "rows8" if chosen else "blocks")
+    return chosen
+
+
 class QuantLinear(torch.nn.Module):
     """A linear layer whose weight stays quantized: ``y = x @ dequant(qweight)^T + bias``.
 
@@ -250,6 +316,36 @@ class QuantLinear(torch.nn.Module):
         assert rc == 0, f"hfq_dequantize failed ({rc})"
         return out
 
+    def kernel(self) -> tuple:
+        """``(function, mode, weight)``: the C linear this layer's calls take (see :func:`kernel`; ``(None, None,
+        None)``: dequantize in torch) and the weight bytes it reads: in int8 mode a Q4_0/Q4_1 weight's interleaved
+        copy where :func:`rows8_chosen`, else ``qweight``."""
+        fn, mode = kernel(self.activations)
+        if fn is None:
+            return None, None, None
+        if mode == "int8" and self.fmt in ROWS8_FORMATS and rows8_chosen():
+            return native_library("int8").hfq8i_linear, mode, self._rows8_copy()
+        return fn, mode, self.qweight
+
+    _rows8_cache: tuple | None = None
+
+    def _rows8_copy(self) -> torch.Tensor:
+        """The interleaved copy of ``qweight`` for the rows8 kernel (made on first use; again if ``qweight`` is
+        replaced or changed in place). It costs 1.2x the Q4_1 bytes (1.33x Q4_0's) besides ``qweight``."""
+        w = self.qweight
+        key = (id(w), w.data_ptr(), None if w.is_inference() else w._version)
+        cached = self._rows8_cache
+        if cached is None or cached[0] != key:
+            lib = native_library("int8")
+            code = FORMATS[self.fmt]
+            with torch.inference_mode(False):
+                copy = torch.empty(lib.hfq8i_bytes(code, self.out_features, self.in_features), dtype=torch.uint8)
+            rc = lib.hfq8i_repack(w.data_ptr(), code, self.out_features, self.in_features, copy.data_ptr(),
+                                  torch.get_num_threads())
+            assert rc == 0, f"hfq8i_repack failed ({rc})"
+            cached = self._rows8_cache = (key, copy)
+        return cached[1]
+
     def _scales_ptr(self) -> int | None:
         return None if self.scales is None else self.scales.data_ptr()
 
@@ -265,7 +361,7 @@ class QuantLinear(torch.nn.Module):
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
-        fn, mode = kernel(self.activations) if x.device.type == "cpu" else (None, None)
+        fn, mode, weight = self.kernel() if x.device.type == "cpu" else (None, None, None)
         rows = math.prod(x.shape[:-1])
         if fn is None or (mode == "float" and rows > TILED_ROWS) or (torch.is_grad_enabled() and x.requires_grad):
             x, w = _reference_operands(mode or self.activations, x, self.dequantize())
@@ -273,18 +369,21 @@ class QuantLinear(torch.nn.Module):
             return torch.nn.functional.linear(x, w.to(x.device, x.dtype), bias)
         if mode == "bf16" and x.dtype == torch.bfloat16:  # a bf16 model: no conversion either way
             return self._call(native_library("bf16").hfqb_linear_bf16, x, io=torch.bfloat16)
-        return self._call(fn, x)
+        return self._call(fn, x, weight=weight)
 
-    def _call(self, fn, x: torch.Tensor, io: torch.dtype = torch.float32) -> torch.Tensor:
+    def _call(self, fn, x: torch.Tensor, io: torch.dtype = torch.float32, weight: torch.Tensor | None = None
+              ) -> torch.Tensor:
         """``fn`` (``hfq_linear``, ``hfq8_linear``, ``hfqb_linear`` of some build; ``hfqb_linear_bf16`` with
-        ``io=torch.bfloat16``) on ``x [..., K]``, in ``io`` in and out."""
+        ``io=torch.bfloat16``; ``hfq8i_linear`` with ``weight`` = the interleaved copy) on ``x [..., K]``, in
+        ``io`` in and out."""
+        weight = self.qweight if weight is None else weight
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != io or x2.stride(-1) != 1:
             x2 = x2.to(io).contiguous()
         rows = x2.shape[0]
         y = torch.empty(rows, self.out_features, dtype=io)
         if rows:
-            rc = fn(x2.data_ptr(), x2.stride(0), self.qweight.data_ptr(), FORMATS[self.fmt], self._scales_ptr(),
+            rc = fn(x2.data_ptr(), x2.stride(0), weight.data_ptr(), FORMATS[self.fmt], self._scales_ptr(),
                     None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), self.out_features, rows,
                     self.out_features, self.in_features, torch.get_num_threads())
             assert rc == 0, f"quantized linear kernel failed ({rc})"

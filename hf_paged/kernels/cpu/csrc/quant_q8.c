@@ -240,3 +240,5 @@ int hfq8_linear(const float* x, int64_t ldx, const uint8_t* w, int fmt, const fl
     free(xd);
     return 0;
 }
+
+#include "quant_q8_rows8.h"

@@ -1,0 +1,169 @@
+/*
+ * Int8 activations on Q4_0 / Q4_1 weights in an interleaved copy ("rows8"): the AVX2 kernel for CPUs without
+ * VNNI (AMD Zen 2/3, Intel before Ice Lake). Included by quant_q8.c, whose activation rounding it shares.
+ *
+ * Why: quant_q8.c's kernel sums each (activation row, weight row, block) on its own and turns it into a float
+ * there: without VNNI that is ~7 vector and scalar operations per 32 multiply-adds, half the rate of fp32 FMAs.
+ * Here 8 weight rows sit side by side, one per 32-bit lane of a 256-bit vector, so a block of 8 rows x 32 weights
+ * is 4 loads of 32 bytes; each 4-byte group of an activation block is broadcast to all lanes, VPMADDUBSW
+ * multiplies it with 4 weights of every row, and the int16 pair sums of the 8 quads of a block add up in int16
+ * (nibbles <= 15, |q_x| <= 127: at most 16 * 15 * 127 = 30480, no overflow) before one VPMADDWD, one
+ * conversion and two FMAs per 8 outputs: ~3x fewer operations per weight at one row, and the lanes are the
+ * outputs (no horizontal sums).
+ *
+ * Layout, per group of 8 output rows g and block b (192 bytes, groups in order, blocks in order within a group):
+ * 128 bytes of nibbles, then d[8] and m[8] as fp32 (exact copies of the fp16 values; Q4_0's m = -8 d, as
+ * (q - 8) d = q d - 8 d). Byte 32 L + 4 j + c is byte 4 L + c of row j's GGUF block (low nibble: weight 4 L + c,
+ * high nibble: weight 16 + 4 L + c). Rows past N are zero.
+ *
+ * Per output the operations and their order do not depend on M or on which rows share a tile: a row's result is
+ * the same whatever the batch. The numbers are quant_q8.c's contract (the rounded activations times the
+ * dequantized weights, up to fp32 rounding), summed in another order: this kernel and hfq8_linear may differ in
+ * the last bits, so one process uses one of them for a layer.
+ */
+enum { IR = 8, IREC = 128 + 2 * IR * 4 };
+
+/* bytes of the rows8 copy of an [N, K] weight of format fmt, or -1 where it has none (not Q4_0/Q4_1, K % 32) */
+int64_t hfq8i_bytes(int fmt, int N, int K) {
+    if ((fmt != FMT_Q4_0 && fmt != FMT_Q4_1) || K % QK != 0 || N <= 0) return -1;
+    return (int64_t)((N + IR - 1) / IR) * (K / QK) * IREC;
+}
+
+/* whether this build has the rows8 kernel (AVX2) */
+int hfq8i_available(void) { return HAVE_I8; }
+
+/* the rows8 copy (see above) of the GGUF-layout weight w [N, K] into out (hfq8i_bytes(fmt, N, K) bytes) */
+int hfq8i_repack(const uint8_t* w, int fmt, int N, int K, uint8_t* out, int num_threads) {
+    if (hfq8i_bytes(fmt, N, K) < 0) return -1;
+    const int nb = K / QK, bb = block_bytes(fmt), off = quant_offset(fmt), groups = (N + IR - 1) / IR;
+    const size_t row_bytes = (size_t)nb * bb;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int g = 0; g < groups; ++g) {
+        for (int b = 0; b < nb; ++b) {
+            uint8_t* rec = out + ((size_t)g * nb + b) * IREC;
+            float d[IR], m[IR];
+            for (int j = 0; j < IR; ++j) {
+                const int n = g * IR + j;
+                if (n >= N) {
+                    for (int L = 0; L < 4; ++L) memset(rec + 32 * L + 4 * j, 0, 4);
+                    d[j] = 0.0f, m[j] = 0.0f;
+                    continue;
+                }
+                const uint8_t* blk = w + (size_t)n * row_bytes + (size_t)b * bb;
+                for (int L = 0; L < 4; ++L) memcpy(rec + 32 * L + 4 * j, blk + off + 4 * L, 4);
+                d[j] = h2f(blk);
+                m[j] = fmt == FMT_Q4_1 ? h2f(blk + 2) : -8.0f * d[j];
+            }
+            memcpy(rec + 128, d, sizeof d);
+            memcpy(rec + 128 + sizeof d, m, sizeof m);
+        }
+    }
+    return 0;
+}
+
+#if HAVE_I8
+enum { MRI = 4 };
+
+static inline __m256i bcast4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* out[i] = the 8 outputs of group wg for activation rows i < mr (without bias) */
+static inline __attribute__((always_inline)) void tile_rows8(
+    const int mr, const int nb, const uint8_t* wg, const int8_t* xq, const int64_t K, const float* xd,
+    const float* xs, __m256 out[MRI])
+{
+    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc[MRI];
+    for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t* rec = wg + (size_t)b * IREC;
+        __m256i s16[MRI];
+        for (int i = 0; i < mr; ++i) s16[i] = _mm256_setzero_si256();
+        for (int L = 0; L < 4; ++L) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(rec + 32 * L));
+            const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            for (int i = 0; i < mr; ++i) {
+                const int8_t* xb = xq + i * K + b * QK;
+                s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * L)));
+                s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * L)));
+            }
+        }
+        const __m256 d = _mm256_loadu_ps((const float*)(rec + 128)), m = _mm256_loadu_ps((const float*)(rec + 160));
+        for (int i = 0; i < mr; ++i) {
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones));
+            acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xd[i * nb + b])), acc[i]);
+            acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[i * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; ++i) out[i] = acc[i];
+}
+
+static void tile_rows8_any(int mr, int nb, const uint8_t* wg, const int8_t* xq, int64_t K, const float* xd,
+                           const float* xs, __m256 out[MRI]) {
+    switch (mr) {
+    case 4: tile_rows8(4, nb, wg, xq, K, xd, xs, out); break;
+    case 3: tile_rows8(3, nb, wg, xq, K, xd, xs, out); break;
+    case 2: tile_rows8(2, nb, wg, xq, K, xd, xs, out); break;
+    default: tile_rows8(1, nb, wg, xq, K, xd, xs, out); break;
+    }
+}
+#endif
+
+/*
+ * hfq8_linear's computation on the rows8 copy wi of a Q4_0/Q4_1 weight (same arguments; scales unused). Returns
+ * 0, -1 for a format without a rows8 copy or a build without AVX2, -2 when scratch cannot be allocated.
+ */
+int hfq8i_linear(const float* x, int64_t ldx, const uint8_t* wi, int fmt, const float* scales, const float* bias,
+                 float* y, int64_t ldy, int M, int N, int K, int num_threads)
+{
+    (void)scales;
+#if HAVE_I8
+    if (hfq8i_bytes(fmt, N, K) < 0) return -1;
+    if (M <= 0) return 0;
+    const int nb = K / QK, groups = (N + IR - 1) / IR;
+    int8_t* xq = aligned_alloc(64, ((size_t)M * K + 63) / 64 * 64);
+    float* xd = malloc(sizeof(float) * 2 * (size_t)M * nb);
+    if (xq == NULL || xd == NULL) {
+        free(xq), free(xd);
+        return -2;
+    }
+    float* xs = xd + (size_t)M * nb;
+    hfq8_quantize(x, ldx, M, K, xq, xd, xs, M >= 64 ? num_threads : 1);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int g = 0; g < groups; ++g) {
+        const int n0 = g * IR, nr = N - n0 < IR ? N - n0 : IR;
+        const uint8_t* wg = wi + (size_t)g * nb * IREC;
+        __m256 b8 = _mm256_setzero_ps();
+        if (bias != NULL) {
+            float tmp[IR] = {0};
+            memcpy(tmp, bias + n0, sizeof(float) * nr);
+            b8 = _mm256_loadu_ps(tmp);
+        }
+        for (int m0 = 0; m0 < M; m0 += MRI) {
+            const int mr = M - m0 < MRI ? M - m0 : MRI;
+            __m256 out[MRI];
+            tile_rows8_any(mr, nb, wg, xq + (size_t)m0 * K, K, xd + (size_t)m0 * nb, xs + (size_t)m0 * nb, out);
+            for (int i = 0; i < mr; ++i) {
+                const __m256 v = bias != NULL ? _mm256_add_ps(out[i], b8) : out[i];
+                float* yr = y + (m0 + i) * ldy + n0;
+                if (nr == IR) _mm256_storeu_ps(yr, v);
+                else {
+                    float tmp[IR];
+                    _mm256_storeu_ps(tmp, v);
+                    memcpy(yr, tmp, sizeof(float) * nr);
+                }
+            }
+        }
+    }
+    free(xq);
+    free(xd);
+    return 0;
+#else
+    (void)x, (void)ldx, (void)wi, (void)fmt, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K,
+        (void)num_threads;
+    return -1;
+#endif
+}
