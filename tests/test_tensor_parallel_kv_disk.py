@@ -9,6 +9,7 @@ import torch
 
 from hf_paged import PagedGenerator, SamplingParams
 from hf_paged.core.block_pool import hash_block_tokens
+from hf_paged.executor.kv_tiers_tp import DiskLoad, load_and_agree, serve_tier_message
 from tests.helpers import make_model, make_prompts
 from tests.test_tensor_parallel import no_process_left  # noqa: F401 - autouse: no worker left behind
 
@@ -105,3 +106,39 @@ def test_int8_kv_pool_with_the_disk_tier_under_tensor_parallelism(tmp_path):
             engine.close()
     assert got == want
     assert counts["disk_hits"] == 7
+
+
+class OneRankStore:
+    """One rank's store for the agreement alone: ``load`` answers ``ok`` (or raises), ``discard`` is recorded."""
+
+    def __init__(self, ok: bool | Exception) -> None:
+        self.ok = ok
+        self.discarded: list[bytes] = []
+
+    def load(self, block_hash, slot):
+        if isinstance(self.ok, Exception):
+            raise self.ok
+        return self.ok
+
+    def discard(self, block_hash):
+        self.discarded.append(block_hash)
+
+
+def test_a_rank_agrees_even_when_its_read_raises_and_drops_a_good_file_the_others_lack():
+    """Every rank reaches the all-reduce whatever its read did (a rank that skipped it would hang the others), and
+    a good file whose partner on another rank is bad is deleted, so the recompute writes both again."""
+    answers = []
+
+    def agree_with(others: int):
+        def agree(mine: int) -> int:
+            answers.append(mine)
+            return min(mine, others)
+        return agree
+
+    broken = OneRankStore(OSError("disk gone"))
+    assert load_and_agree(broken, b"h", 0, agree_with(1)) is False and answers == [0]
+    good = OneRankStore(True)
+    assert load_and_agree(good, b"h", 0, agree_with(0)) is False and good.discarded == [b"h"]
+    assert load_and_agree(good, b"k", 1, agree_with(1)) is True and good.discarded == [b"h"]
+    assert serve_tier_message(None, DiskLoad(b"h", 0), agree_with(1)) is True and answers[-1] == 0  # no store
+    assert serve_tier_message(good, "a step", agree_with(1)) is False
