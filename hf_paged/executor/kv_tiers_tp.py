@@ -9,9 +9,9 @@ rank's writer thread writes its own bytes in the background.
 Loads do: rank 0's scheduler looks a prefix up block by block (:meth:`~hf_paged.core.kv_tiers.KVTiers.promote`),
 and a block it counts as cached is never computed again, on any rank. So rank 0 asks every rank to read its file
 of the block into the same host slot (:class:`DiskLoad`, sent to the workers the way a step is), and the ranks agree
-with an all-reduce MIN: the block is a hit only if every rank's file passed its checks. Otherwise every rank
-deletes its file of that block (one good file without its partner is of no use), the prefix stops there, and the
-recomputed block is written again by all ranks.
+with an all-reduce MIN: the block is a hit only if every rank's file passed its checks. Otherwise the prefix
+stops there, the ranks whose file was good delete it too (one good file without its partner is of no use), and
+every rank writes the recomputed block again.
 """
 
 from __future__ import annotations
