@@ -44,6 +44,7 @@ class FakeStore:
 
     def load(self, h, slot):
         if h in self.bad:
+            self.files.pop(h, None)  # as the real store does: the file is deleted
             return False
         self.slots[slot] = self.files[h]
         return True
@@ -126,6 +127,44 @@ def test_disk_hit_loads_into_a_host_slot_and_a_bad_file_is_a_miss():
     run_moves(kv, store, pool_tokens, tiers.take_moves())
     assert pool_tokens[cached[0].block_id] == tuple(a[:4])
     kv.check_consistency()
+
+
+def test_a_block_whose_file_failed_is_saved_again_by_the_engine_that_wrote_it():
+    """A file this engine wrote once fails its checks later (torn, or under tensor parallelism another rank's
+    partner is missing): the lookup misses, and the recomputed block is queued for disk again."""
+    from types import SimpleNamespace
+
+    from hf_paged.core.kv_cache_manager import _TokenList
+
+    a = list(range(40, 49))  # 2 full blocks + 1
+    store = FakeStore(num_host_slots=4)
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+    kv.tiers = tiers = KVTiers(kv.pool, store)
+
+    def compute(seq_id):  # admit a, plan the step's saves, 'write' the files, cache and free its blocks
+        cached, hashes = kv.find_cached_prefix(a)
+        n = len(cached) * BS
+        assert kv.allocate_slots(seq_id, n, len(a) - n, cached, hashes) is not None
+        out = SimpleNamespace(scheduled=[SimpleNamespace(seq_id=seq_id, start=n, token_ids=a[n:], num_draft_tokens=0)])
+        tiers.plan_saves(kv, out, {seq_id: _TokenList(a)})
+        moves = tiers.take_moves()
+        for _, h in moves.save:
+            store.files[h] = "bytes"
+        kv.cache_blocks(seq_id, _TokenList(a), len(a))
+        kv.free(seq_id)
+        return len(cached), moves.save
+
+    assert compute("a")[1] and len(store.files) == 2
+    assert kv.allocate_slots("x", 0, 8 * BS) is not None  # takes the whole pool: a's blocks leave it ...
+    tiers.take_moves()
+    tiers.host.clear()  # ... and the host tier too: only the files are left
+    tiers.free_slots = list(range(store.num_host_slots - 1, -1, -1))
+    kv.free("x")
+    h1 = hash_block_tokens(hash_block_tokens(None, a[:4]), a[4:8])
+    store.bad.add(h1)
+    found, saves = compute("b")
+    assert found == 1 and tiers.num_disk_misses == 1  # block 1's file fails: a miss, recomputed ...
+    assert [h for _, h in saves] == [h1]  # ... and written again, though this process had saved it before
 
 
 def test_a_promotion_evicted_in_the_same_schedule_is_cancelled():
@@ -414,3 +453,39 @@ def test_disk_blocks_are_read_ahead_while_the_request_waits(model, tmp_path, mon
         tiers = e.stats().kv_tiers
     assert done[0].outputs[0].token_ids == stock_greedy(model, second, 6)
     assert tiers["disk_hits"] == 7 and tiers["disk_blocks_read_ahead"] == 7
+
+
+def test_replicas_share_the_folder_a_later_one_serves_what_another_computed(tmp_path, monkeypatch):
+    """``hf-paged serve --data-parallel-size 2 --prefix-cache-dir D`` gives every replica the same folder; a
+    replica started while another runs finds the prefix the other computed (the code a Ray Serve replica runs)."""
+    pytest.importorskip("fastapi")
+    from hf_paged import cli
+    from hf_paged.cli import replicas as cli_replicas
+    from hf_paged.serving import replicas as serving_replicas
+    from tests.serving_helpers import tiny_chat_loader
+
+    built = []
+    monkeypatch.setattr(serving_replicas, "build_application", lambda spec, size, **kw: built.append((spec, size)))
+    monkeypatch.setattr(serving_replicas, "run_replicas", lambda app, **kw: None)
+    args = cli.build_parser().parse_args(["serve", "--data-parallel-size", "2", "--prefix-cache-dir", str(tmp_path)])
+    assert cli_replicas.cmd_serve_replicas(args, "m") == 0
+    spec, size = built[0]
+    assert size == 2 and spec.engine_config["prefix_cache_dir"] == str(tmp_path)
+
+    spec.loader = tiny_chat_loader
+    spec.engine_config.update(block_size=BS, num_blocks=64)
+    prompt = make_prompts(1, [30], seed=1)[0]
+    loops, got, hits = [], [], []
+    try:
+        for _ in range(2):  # replica 1 computes the prompt; replica 2 starts later, replica 1 still serving
+            loop, _ = spec.build_app()
+            loops.append(loop)
+            got.append(loop.call(lambda e: ids(e, prompt)).result(60))
+            loop.call(lambda e: e.executor.kv_tiers.flush()).result(30)
+            hits.append(loop.call(lambda e: e.stats().kv_tiers["disk_hits"]).result(30))
+    finally:
+        for loop in loops:
+            loop.shutdown()
+            loop.engine.close()
+    assert got[0] == got[1]
+    assert hits == [0, 7]

@@ -533,7 +533,7 @@ def test_auto_activation_mode_is_rank_zeros_pick():
 
 def test_host_kv_tier_under_tensor_parallelism():
     """Every rank demotes and promotes its own KV heads' blocks as rank 0's scheduler says; the prefix comes back
-    from the host tier exactly (fp32), and the disk tier is refused before any process starts."""
+    from the host tier exactly (fp32). The disk tier: tests/test_tensor_parallel_kv_disk.py."""
     model = make_model("llama")
     shared = make_prompts(1, [30], seed=1)[0]
     first, second = shared + [3, 4, 5], shared + [7, 8]
@@ -549,5 +549,3 @@ def test_host_kv_tier_under_tensor_parallelism():
         engine.close()
     assert got[2] == stock_greedy(model, second, 6)
     assert tiers["host_hits"] >= 7
-    with pytest.raises(NotImplementedError, match="prefix_cache_dir cannot be used with tensor_parallel_size > 1"):
-        PagedGenerator(model, tensor_parallel_size=2, prefix_cache_dir="/tmp")

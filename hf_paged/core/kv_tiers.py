@@ -45,7 +45,8 @@ class TierStore(Protocol):
         """Whether a file for ``block_hash`` exists (it may still fail its checks in :meth:`load`)."""
 
     def load(self, block_hash: BlockHash, slot: int) -> bool:
-        """Read and verify the file of ``block_hash`` into host ``slot``; False (counted) if it is unusable."""
+        """Read and verify the file of ``block_hash`` into host ``slot``; False (counted) if it is unusable (under
+        tensor parallelism: if any rank's file is), and then the file is gone: the recomputed block is saved again."""
 
     def read_ahead(self, block_hashes: list[BlockHash]) -> None:
         """Start reading (and checking) these blocks' files in the background, in order, up to the first
@@ -146,6 +147,7 @@ class KVTiers:
                 return None
             if not self.store.load(block_hash, slot):
                 self.num_disk_misses += 1
+                self._saved.discard(block_hash)  # its file is gone (or useless): the recompute writes it again
                 self._busy.discard(slot)
                 self.free_slots.append(slot)
                 return None

@@ -119,6 +119,16 @@ class DiskTier:
             offset += n
         return parts
 
+    def discard(self, block_hash: bytes) -> None:
+        """Delete the block's file and forget its read-ahead (tensor parallelism: another rank has no good file
+        for it, so every rank recomputes the block and writes it again)."""
+        with self._cond:
+            self.ready.pop(block_hash, None)
+        try:
+            self.path(block_hash).unlink(missing_ok=True)
+        except OSError:
+            pass
+
     def read_ahead(self, block_hashes: list[bytes]) -> None:
         if not self.max_ready:
             return

@@ -173,6 +173,11 @@ class TierStore:
         self.host.write_slot(slot, parts)
         return True
 
+    def discard(self, block_hash: bytes) -> None:
+        """Delete this rank's file of ``block_hash`` (another rank could not read its own)."""
+        if self.disk is not None:
+            self.disk.discard(block_hash)
+
     def drop_disk(self) -> None:
         """The weights changed: the files (keyed by the old weights' fingerprint) are no longer this model's."""
         if self.disk is not None:

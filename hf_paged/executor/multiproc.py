@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 from hf_paged.config import EngineConfig
 from hf_paged.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from hf_paged.executor.executor import Executor, ExecutorSetup, UniProcExecutor
+from hf_paged.executor.kv_tiers_tp import ShardedTierStore, serve_tier_message
 from hf_paged.executor.process_group import (  # noqa: F401 - TensorParallelError re-exported
     TensorParallelError, die_with_parent, free_port, init_group, launched, rank_places,
 )
@@ -62,11 +63,6 @@ def check_config(cfg: EngineConfig) -> None:
     if cfg.decode_runner == "inductor":
         raise ValueError("decode_runner='inductor' cannot be used with tensor_parallel_size > 1: the compiled graph "
                          "would break at every collective; use 'auto', 'native', 'static' or 'cuda_graphs'")
-    if cfg.prefix_cache_dir is not None:
-        # rank 0 reads and checks a prefix's files during its lookup; the other ranks' files would need the
-        # same check on every rank before the scheduler may count the blocks as cached
-        raise NotImplementedError("prefix_cache_dir cannot be used with tensor_parallel_size > 1 yet; the host tier "
-                                  "(kv_offload_gb) works there")
 
 
 @dataclasses.dataclass
@@ -141,7 +137,7 @@ def run_worker(source: ModelSource, cfg: EngineConfig, rank: int, world: int, in
                     _draft_forward(executor, views, box[0])
             elif isinstance(box[0], LoRAUpdate):
                 apply_lora_update(executor.lora, box[0])  # a failure is rank 0's to report
-            else:
+            elif not serve_tier_message(executor.kv_tiers, box[0], _agree_min):
                 executor.execute_forward(box[0])
     except BaseException as e:  # noqa: BLE001 - reported to rank 0 where it can still listen
         if conn is not None:
@@ -234,7 +230,11 @@ class TensorParallelExecutor(Executor):
         self.max_model_len = self.inner.max_model_len
         self.num_blocks = self.inner.num_blocks
         self.num_host_blocks = self.inner.num_host_blocks
-        self.kv_tiers = self.inner.kv_tiers  # rank 0's; every rank runs the same tier moves on its own host tier
+        # rank 0's; every rank runs the same tier moves on its own host tier, and reads its own shard's files
+        self.kv_tiers = self.inner.kv_tiers
+        if self.kv_tiers is not None and self.kv_tiers.has_disk:
+            self.kv_tiers = ShardedTierStore(self.kv_tiers, self._collective, self._broadcast, _agree_min,
+                                             lambda: self.failed is not None)
         self.comm_seconds = 0.0  # time spent broadcasting steps (the all-reduces are inside the forward)
         # an engine never closed (a script that just ends) still tells its workers to stop at exit
         self._at_exit = weakref.finalize(self, TensorParallelExecutor._stop_workers, self.processes, True)
@@ -348,11 +348,18 @@ class TensorParallelExecutor(Executor):
         self.comm_seconds += time.perf_counter() - started
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        self._check_alive()
-        try:
+        def step() -> ModelRunnerOutput:
             self._broadcast(dataclasses.replace(out, new_sequences=[]))
             with _thread_count(self._threads):
                 return self.inner.execute_model(out)
+
+        return self._collective(step)
+
+    def _collective(self, run):
+        """``run()`` (which meets the workers); a failure there fails the whole group, logged once."""
+        self._check_alive()
+        try:
+            return run()
         except TensorParallelError:
             raise
         except Exception as e:  # noqa: BLE001 - the ranks may be out of step now: the group cannot go on
