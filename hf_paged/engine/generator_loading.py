@@ -22,7 +22,7 @@ def from_pretrained(cls, path: str, tokenizer=None, dtype: str | torch.dtype = "
     status 0: code after this call runs on rank 0 only.
     """
     from hf_paged.model.default_model import load_model
-    from hf_paged.executor.multiproc import ModelSource, worker_entry
+    from hf_paged.executor.tp_worker import ModelSource, worker_entry
 
     if tokenizer is None:
         from transformers import AutoTokenizer

@@ -106,9 +106,7 @@ class ParallelLinear(torch.nn.Module):
     def agree(self, fit: bool) -> bool:
         """Whether every rank's slice of this layer ``fit``s something (all-reduce of the answer): the ranks must
         all change the layer or none, because a change may run collectives (:meth:`row_absmax`)."""
-        flag = torch.tensor([int(fit)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return bool(agree_min(int(fit)))
 
     def row_absmax(self) -> torch.Tensor | None:
         """For a row-parallel layer, each output row's largest weight magnitude over every rank's columns (the
@@ -134,3 +132,11 @@ def rank0_choice(model: torch.nn.Module, value):
 def linear_of(module: torch.nn.Module) -> torch.nn.Module:
     """The module that computes ``module``'s linear: its ``base`` for a :class:`ParallelLinear`, else itself."""
     return module.base if type(module) is ParallelLinear else module
+
+
+def agree_min(value: int) -> int:
+    """The smallest of every rank's ``value`` (an all-reduce MIN in the default process group): how the ranks
+    agree on a choice each made alone (a layer changed on all or none, a bucket built, a prefix found on disk)."""
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
