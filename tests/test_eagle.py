@@ -1,0 +1,232 @@
+"""EAGLE-3 heads: loading in the published layout, drafting inside continuous batching, lossless output."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from hf_paged import PagedGenerator, SamplingParams
+from hf_paged.spec_decode.eagle import EagleHead, EagleHeadConfig, load_head, save_head
+from hf_paged.spec_decode.eagle.head import causal_attend
+from hf_paged.spec_decode.eagle.loading import REQUIRED, aux_layers
+from hf_paged.spec_decode.eagle.proposer import EagleProposer
+from tests.helpers import make_model, make_prompts, stock_greedy
+
+LAYERS = 4  # target decoder layers: vLLM's default ids (2, L // 2, L - 3) need L >= 4
+NEW = 24
+
+# the weight names vLLM's llama_eagle3.py and SpecForge read (d2t/t2d buffers; embed_tokens optional)
+PUBLISHED = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", *REQUIRED}
+
+
+def target(**kw):
+    return make_model("llama", num_hidden_layers=LAYERS, **kw)
+
+
+def head_config(**kw) -> EagleHeadConfig:
+    base = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=512)
+    return EagleHeadConfig(**{**base, **kw})
+
+
+def random_head(seed=0, draft_vocab=None, own_embedding=False, **kw) -> EagleHead:
+    torch.manual_seed(seed)
+    cfg = head_config(draft_vocab_size=draft_vocab, **kw)
+    head = EagleHead(cfg, own_embedding=own_embedding)
+    for p in head.parameters():  # decisive logits, as the tiny targets have
+        torch.nn.init.normal_(p, std=0.15)
+    if draft_vocab is not None:  # the draft vocabulary: every other target token
+        head.d2t.copy_(torch.arange(draft_vocab))
+    return head
+
+
+@pytest.fixture
+def head_dir(tmp_path):
+    folder = str(tmp_path / "head")
+    save_head(random_head(), folder)
+    return folder
+
+
+# -- 1. loading ------------------------------------------------------------------------------------------
+
+
+def test_saved_head_has_the_published_layout_and_loads_back(tmp_path):
+    head = random_head(draft_vocab=100, own_embedding=True, aux_layer_ids=[1, 2, 3])
+    folder = str(tmp_path / "h")
+    save_head(head, folder)
+    from safetensors.torch import load_file
+
+    names = set(load_file(os.path.join(folder, "model.safetensors")))
+    assert names == PUBLISHED | {"embed_tokens.weight"}
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    assert cfg["draft_vocab_size"] == 100 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    loaded = load_head(folder, target())
+    for key, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    assert loaded.to_target(torch.tensor([0, 1, 99])).tolist() == [0, 2, 198]
+
+
+def test_checkpoint_names_with_model_and_layers_prefixes_and_a_torch_bin_load(tmp_path):
+    head = random_head()
+    state = {("model.layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k: v
+             for k, v in head.state_dict().items()}
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    torch.save(state, folder / "pytorch_model.bin")
+    json.dump(head.config.to_dict(), open(folder / "config.json", "w"))
+    loaded = load_head(str(folder), target())
+    assert torch.equal(loaded.midlayer.self_attn.q_proj.weight, head.midlayer.self_attn.q_proj.weight)
+    assert loaded.embed_tokens is None  # shares the target's
+
+
+def _break(folder, config=None, drop=None, reshape=None):
+    from safetensors.torch import load_file, save_file
+
+    if config is not None:
+        raw = json.load(open(os.path.join(folder, "config.json")))
+        raw.update(config)
+        json.dump({k: v for k, v in raw.items() if v is not None}, open(os.path.join(folder, "config.json"), "w"))
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    if drop:
+        state.pop(drop)
+    if reshape:
+        state[reshape] = torch.zeros(3, 3)
+    save_file(state, path)
+
+
+@pytest.mark.parametrize("damage,match", [
+    (dict(config=dict(hidden_size=None)), r"not an EAGLE head: config.json lacks integer \['hidden_size'\]"),
+    (dict(drop="fc.weight"), r"not an EAGLE-3 head: its weights lack \['fc.weight'\]"),
+    (dict(reshape="midlayer.hidden_norm.weight"), r"wrong shape.*midlayer.hidden_norm.weight: \(3, 3\) \(expected \(64,\)\)"),
+    (dict(config=dict(target_hidden_size=32)), r"reads hidden states of size 32, the target's are 64"),
+    (dict(config=dict(vocab_size=1000)), r"vocabulary of 1000 tokens, the target's has 512"),
+    (dict(config=dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9]})), r"layer ids \[9\] do not fit"),
+    (dict(config=dict(draft_vocab_size=100)), r"wrong shape.*lm_head"),
+])
+def test_a_folder_that_is_no_head_or_does_not_fit_the_target_is_a_clear_error(head_dir, damage, match):
+    _break(head_dir, **damage)
+    with pytest.raises(ValueError, match=match) as info:
+        load_head(head_dir, target())
+    assert head_dir in str(info.value)
+
+
+def test_no_folder_or_no_weights_or_a_model_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no such folder"):
+        load_head(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="has no config.json"):
+        load_head(str(tmp_path))
+    model_dir = str(tmp_path / "model")
+    target().save_pretrained(model_dir)  # a whole model is not a head
+    with pytest.raises(ValueError, match=r"not an EAGLE-3 head: its weights lack \['fc.weight'"):
+        load_head(model_dir, target())
+
+
+def test_default_layers_are_vllms_early_middle_late():
+    assert aux_layers(head_config(), 32) == (1, 15, 28)  # vLLM ids (2, 16, 29): states entering those layers
+    assert aux_layers(head_config(aux_layer_ids=[1, 2, 3]), 4) == (0, 1, 2)
+    with pytest.raises(ValueError, match="a target this shallow needs"):
+        aux_layers(head_config(), 2)
+
+
+# -- 2. drafting inside the engine -----------------------------------------------------------------------
+
+
+def run(model, prompts, spec, params=None, **engine_kw):
+    engine = PagedGenerator(model, speculative_config=spec, **engine_kw)
+    params = params or SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    stats = engine.stats()
+    engine.kv_manager.check_consistency()
+    assert engine.kv_manager.num_used_blocks == 0
+    engine.close()
+    return outs, stats
+
+
+PROMPTS = make_prompts(5, [3, 9, 20, 33, 50], seed=7)
+
+
+@pytest.mark.parametrize("engine_kw", [
+    dict(block_size=4, num_blocks=400),
+    dict(block_size=1, num_blocks=2000, max_num_batched_tokens=24),  # chunked prefill beside drafting
+    dict(block_size=4, num_blocks=40),  # too small for all at once: preemption
+    dict(block_size=16, num_blocks=200, enable_prefix_caching=True),
+])
+def test_greedy_output_with_an_eagle_head_equals_stock_generate(head_dir, engine_kw):
+    model = target()
+    want = [stock_greedy(model, p, NEW) for p in PROMPTS]
+    outs, stats = run(model, PROMPTS * (2 if engine_kw.get("enable_prefix_caching") else 1),
+                      dict(method="eagle3", model=head_dir, num_speculative_tokens=3), **engine_kw)
+    assert [o.token_ids for o in outs] == want * (2 if engine_kw.get("enable_prefix_caching") else 1)
+    assert stats.spec_num_draft_tokens > 0
+    if engine_kw["num_blocks"] == 40:
+        assert sum(stats.num_preemptions.values()) > 0
+
+
+def test_n_samples_and_per_request_heads_beside_other_methods(head_dir):
+    model = target()
+    want = [stock_greedy(model, p, NEW) for p in PROMPTS]
+    engine = PagedGenerator(model, block_size=4, num_blocks=400, speculative_config=dict(method="ngram"))
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, n=2)
+    eagle = dict(method="eagle3", model=head_dir, num_speculative_tokens=2)
+    ids = [engine.add_request(p, params, speculative_config=eagle if i % 2 == 0 else None)
+           for i, p in enumerate(PROMPTS)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [o.token_ids for o in out.outputs]
+    assert [done[i] for i in ids] == [[w, w] for w in want]
+    assert engine.stats().spec_num_draft_tokens > 0
+    engine.kv_manager.check_consistency()
+    engine.close()
+
+
+class Recorder:
+    """Records each proposal an EAGLE proposer makes: (tokens of the sequence, its drafts)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        original = EagleProposer.propose
+
+        def propose(proposer, states, num_tokens, tables):
+            drafts = original(proposer, states, num_tokens, tables)
+            for state, d in zip(states, drafts):
+                if d:
+                    self.calls.append((state.prompt_token_ids + state.output_token_ids, d))
+            return drafts
+
+        monkeypatch.setattr(EagleProposer, "propose", propose)
+
+
+def reference_drafts(model, head, tokens, k):
+    """The head's greedy drafts computed plainly: one causal forward over the whole history per draft."""
+    layers = aux_layers(head.config, LAYERS)
+    with torch.no_grad():
+        states = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        fed = head.fc(torch.cat([states[i + 1][0] for i in layers], dim=-1))[:-1]
+        ids, drafts = list(tokens[1:]), []
+        for _ in range(k):
+            prenorm = head(torch.tensor(ids), torch.arange(len(ids)), fed, causal_attend)
+            token = int(head.to_target(head.logits(prenorm[-1:]).argmax(-1)))
+            drafts.append(token)
+            ids.append(token)
+            fed = torch.cat([fed, prenorm[-1:]])
+    return drafts
+
+
+@pytest.mark.parametrize("engine_kw", [dict(block_size=4, num_blocks=400),
+                                       dict(block_size=2, num_blocks=1000, max_num_batched_tokens=16)])
+def test_paged_drafts_equal_a_plain_forward_of_the_head_over_the_whole_history(monkeypatch, engine_kw):
+    """The head's KV, caught up from the rows each step captured, gives the drafts a plain forward does."""
+    from hf_paged.spec_decode.speculator import Speculator
+
+    monkeypatch.setattr(Speculator, "num_drafts", lambda self, state, max_len, cost=0.0: min(
+        3, state.params.max_tokens - len(state.output_token_ids) - 1))  # always draft: no idling on rejections
+    model = target()
+    head = random_head(seed=2, draft_vocab=200, aux_layer_ids=[1, 3, 2])
+    recorder = Recorder(monkeypatch)
+    run(model, PROMPTS, dict(method="eagle3", model=head, num_speculative_tokens=3), **engine_kw)
+    assert len(recorder.calls) > 50
+    for tokens, drafts in recorder.calls[:: len(recorder.calls) // 25]:  # a spread of them: each costs k forwards
+        assert drafts == reference_drafts(model, head, tokens, len(drafts)), len(tokens)
