@@ -230,3 +230,102 @@ def test_paged_drafts_equal_a_plain_forward_of_the_head_over_the_whole_history(m
     assert len(recorder.calls) > 50
     for tokens, drafts in recorder.calls[:: len(recorder.calls) // 25]:  # a spread of them: each costs k forwards
         assert drafts == reference_drafts(model, head, tokens, len(drafts)), len(tokens)
+
+
+def _exact_first_two_token_distribution(model, prompt):
+    with torch.no_grad():
+        p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        batch = torch.tensor([prompt + [t] for t in range(p1.shape[0])])
+        p2 = model(batch).logits[:, -1].softmax(-1)
+    return p1[:, None] * p2
+
+
+def test_sampling_with_an_eagle_head_is_lossless_chi_square():
+    """The first two tokens follow the target's exact distribution when a random head drafts the second
+    (as the draft-model test in test_spec_decode.py: 4000 seeded requests, Pearson's chi-square, p > 0.001)."""
+    from scipy.stats import chisquare
+
+    kw = dict(vocab_size=6, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+              initializer_range=0.6)
+    model = make_model("llama", seed=3, num_hidden_layers=LAYERS, **kw)
+    torch.manual_seed(5)
+    head = EagleHead(EagleHeadConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+                                     vocab_size=6, aux_layer_ids=[1, 2, 3]))
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.6)
+    prompt = [1, 2, 3]
+    expected = _exact_first_two_token_distribution(model, prompt).flatten().double()
+    n = 4000
+    engine = PagedGenerator(model, block_size=4, num_blocks=6000, max_num_seqs=256, enable_prefix_caching=False,
+                            speculative_config=dict(method="eagle3", model=head, num_speculative_tokens=2))
+    outs = engine.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, seed=s)
+                                          for s in range(n)], use_tqdm=False)
+    counts = torch.zeros(36)
+    for o in outs:
+        counts[o.token_ids[0] * 6 + o.token_ids[1]] += 1
+    exp = expected * n
+    obs_m, exp_m, acc_o, acc_e = [], [], 0.0, 0.0
+    for i in exp.argsort().tolist():  # merge cells expected under 5
+        acc_o += counts[i].item()
+        acc_e += exp[i].item()
+        if acc_e >= 5:
+            obs_m.append(acc_o)
+            exp_m.append(acc_e)
+            acc_o = acc_e = 0.0
+    if acc_e:
+        obs_m[-1] += acc_o
+        exp_m[-1] += acc_e
+    scale = sum(obs_m) / sum(exp_m)
+    assert chisquare(obs_m, [e * scale for e in exp_m]).pvalue > 1e-3
+    stats = engine.stats()
+    assert stats.spec_num_drafts > n // 2 and 0 < stats.spec_acceptance_rate < 1
+    engine.close()
+
+
+# -- 3. what is reported ---------------------------------------------------------------------------------
+
+
+def test_acceptance_is_reported_per_request_and_sums_to_the_engine_counts(head_dir):
+    model = target()
+    engine = PagedGenerator(model, block_size=4, num_blocks=400,
+                            speculative_config=dict(method="eagle3", model=head_dir, num_speculative_tokens=3))
+    params = [SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, num_speculative_tokens=k) for k in (3, 0, 2)]
+    outs = engine.generate(PROMPTS[:3], params, use_tqdm=False)
+    stats = engine.stats()
+    assert outs[1].spec_decode is None  # it asked for no drafts
+    mine = [o.spec_decode for o in outs if o.spec_decode is not None]
+    assert len(mine) == 2 and all(s.num_drafts > 0 for s in mine)
+    assert sum(s.num_drafts for s in mine) == stats.spec_num_drafts
+    assert sum(s.num_draft_tokens for s in mine) == stats.spec_num_draft_tokens
+    assert sum(s.num_accepted_tokens for s in mine) == stats.spec_num_accepted_tokens
+    per_position = [sum(v) for v in zip(*(s.accepted_per_position + [0] * 3 for s in mine))][: len(stats.spec_accepted_per_position)]
+    assert per_position == stats.spec_accepted_per_position
+    for s in mine:
+        assert s.mean_acceptance_length == 1 + s.num_accepted_tokens / s.num_drafts
+        assert len(s.accepted_per_position) <= 3 and sum(s.accepted_per_position) == s.num_accepted_tokens
+    engine.close()
+
+
+def test_metrics_endpoint_exports_acceptance_by_position():
+    pytest.importorskip("prometheus_client")
+    from hf_paged.outputs import EngineStats
+    from hf_paged.serving.metrics import ServingMetrics
+
+    stats = EngineStats(0, 0, 0, 10, 0, 0, 0.0, 0, 0, {}, 0, 0, 0, 0, spec_num_drafts=4, spec_num_draft_tokens=12,
+                        spec_num_accepted_tokens=5, spec_accepted_per_position=[3, 2, 0])
+
+    class Engine:  # what the metrics read of an engine loop
+        num_rejected: dict = {}
+        num_waiting = 0
+
+        def add_observer(self, fn):
+            pass
+
+        def stats(self, timeout=None):
+            return stats
+
+    text = ServingMetrics(Engine(), "m").render_blocking().decode()
+    assert 'hf_paged:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 3.0' in text
+    assert 'hf_paged:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
+    assert 'hf_paged:spec_decode_num_drafts_total{model_name="m"} 4.0' in text
+    assert stats.spec_mean_acceptance_length == 1 + 5 / 4
