@@ -329,3 +329,71 @@ def test_metrics_endpoint_exports_acceptance_by_position():
     assert 'hf_paged:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
     assert 'hf_paged:spec_decode_num_drafts_total{model_name="m"} 4.0' in text
     assert stats.spec_mean_acceptance_length == 1 + 5 / 4
+
+
+# -- 4. the trainer --------------------------------------------------------------------------------------
+
+
+def peaked_target():
+    """A tiny target whose next-token distributions are peaked (a head has something to learn)."""
+    return make_model("llama", num_hidden_layers=LAYERS, initializer_range=0.5, vocab_size=128)
+
+
+def _train(out, **kw):
+    from hf_paged.spec_decode.eagle.train import TrainConfig, train_eagle
+
+    model = peaked_target()
+    prompts = [[t % 128 for t in p] for p in make_prompts(8, seed=11)]
+    cfg = TrainConfig(tokens=160, max_tokens=20, draft_vocab_size=96, epochs=4, save_every=5, lr=3e-3, **kw)
+    return train_eagle(model, None, str(out), cfg, prompts, engine_kwargs=dict(block_size=16, num_blocks=200),
+                       progress=False)
+
+
+def test_trainer_writes_a_head_that_fits_its_data_better_and_resumes_to_the_same_weights(tmp_path):
+    from hf_paged.spec_decode.eagle.train import init_head, text_loss
+
+    whole = _train(tmp_path / "whole")
+    _train(tmp_path / "parts", max_steps=10)  # interrupted after 10 of 32 texts
+    state = torch.load(tmp_path / "parts" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 10
+    resumed = _train(tmp_path / "parts")  # the same --out: its data and state are reused
+    for key, value in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key
+
+    model = peaked_target()
+    head = load_head(str(tmp_path / "whole"), model)  # the layout vLLM reads, the target's embedding shared
+    assert head.embed_tokens is None and head.config.draft_vocab_size == 96
+    data = torch.load(tmp_path / "whole" / "train_data.pt", weights_only=False)
+    assert sum(len(r.tokens) for r in data["records"]) >= 160
+    vocab = data["vocab"]
+    assert head.to_target(torch.arange(96)).tolist() == vocab.tolist() and head.t2d.sum() == 96
+    fresh = init_head(model, head.config, vocab, seed=0)
+    model_head = model.lm_head.weight.detach()[vocab]
+    with torch.no_grad():
+        before = sum(text_loss(fresh, model_head, r, 3)[0] for r in data["records"])
+        after = sum(text_loss(head, model_head, r, 3)[0] for r in data["records"])
+    assert after < 0.9 * before
+
+    prompts = [[t % 128 for t in p] for p in PROMPTS]
+    want = [stock_greedy(model, p, NEW) for p in prompts]
+    outs, stats = run(model, prompts, dict(method="eagle3", model=str(tmp_path / "whole"), num_speculative_tokens=3),
+                      block_size=4, num_blocks=400)
+    assert [o.token_ids for o in outs] == want and stats.spec_num_drafts > 0
+
+
+def test_train_eagle_command_line(tmp_path):
+    from hf_paged.cli.commands import main
+    from tests.serving_helpers import default_tokenizer, tiny_chat_model
+
+    tokenizer = default_tokenizer()
+    model = tiny_chat_model(tokenizer)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"messages": [{"role": "user", "content": "Hi there"}]}\n{"prompt": "Once upon a time"}\n')
+    args = ["train-eagle", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "head"), "--tokens", "30",
+            "--max-tokens", "8", "--draft-vocab-size", "64", "--epochs", "1", "--prompts", str(prompts), "--quiet"]
+    assert main(args) == 0
+    head = load_head(str(tmp_path / "head"), model)
+    assert head.config.draft_vocab_size == 64 and head.config.aux_layer_ids == [1, 1, 1]  # vLLM's (2, 1, -1) kept inside a 2-layer target
+    assert main([*args[:-3], "--prompts", str(tmp_path / "nope.jsonl")]) != 0
