@@ -340,7 +340,7 @@ def peaked_target():
 
 
 def _train(out, **kw):
-    from hf_paged.spec_decode.eagle.train import TrainConfig, train_eagle
+    from hf_paged.train.eagle import TrainConfig, train_eagle
 
     model = peaked_target()
     prompts = [[t % 128 for t in p] for p in make_prompts(8, seed=11)]
@@ -350,7 +350,7 @@ def _train(out, **kw):
 
 
 def test_trainer_writes_a_head_that_fits_its_data_better_and_resumes_to_the_same_weights(tmp_path):
-    from hf_paged.spec_decode.eagle.train import init_head, text_loss
+    from hf_paged.train.eagle import init_head, text_loss
 
     whole = _train(tmp_path / "whole")
     _train(tmp_path / "parts", max_steps=10)  # interrupted after 10 of 32 texts

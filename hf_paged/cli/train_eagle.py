@@ -1,4 +1,4 @@
-"""``hf-paged train-eagle``: distil an EAGLE-3 head for a model (:mod:`hf_paged.spec_decode.eagle.train`)."""
+"""``hf-paged train-eagle``: distil an EAGLE-3 head for a model (:mod:`hf_paged.train.eagle`)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
 
     from hf_paged.cli.checks import UsageError, check_model_folder
     from hf_paged.cli.engine import load
-    from hf_paged.spec_decode.eagle.train import TrainConfig, train_eagle
-    from hf_paged.spec_decode.eagle.train_data import read_prompts
+    from hf_paged.train.eagle import TrainConfig, train_eagle
+    from hf_paged.train.eagle_data import read_prompts
 
     config = TrainConfig(tokens=args.tokens, max_tokens=args.max_tokens, draft_vocab_size=args.draft_vocab_size,
                          epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr, seed=args.seed,

@@ -1,7 +1,7 @@
 """Distil an EAGLE-3 head from a target model (``hf-paged train-eagle``).
 
 1. Text: the engine answers prompts (greedy and sampled); the target's hidden states over it are recorded
-   (:mod:`hf_paged.spec_decode.eagle.train_data`). Both are cached in ``OUT/train_data.pt``.
+   (:mod:`hf_paged.train.eagle_data`). Both are cached in ``OUT/train_data.pt``.
 2. The draft vocabulary: the most frequent tokens of that text (``d2t``/``t2d``). The head starts from the
    target: ``lm_head`` rows of those tokens, the final norm, and the target's embedding (shared, not saved).
 3. Training: soft targets (the target's distribution over the draft vocabulary at each position), and
@@ -23,7 +23,7 @@ import torch
 
 from hf_paged.spec_decode.eagle.head import EagleHead, EagleHeadConfig
 from hf_paged.spec_decode.eagle.loading import aux_layers, save_head
-from hf_paged.spec_decode.eagle import train_data
+from hf_paged.train import eagle_data as train_data
 
 logger = logging.getLogger(__name__)
 
