@@ -397,3 +397,22 @@ def test_train_eagle_command_line(tmp_path):
     head = load_head(str(tmp_path / "head"), model)
     assert head.config.draft_vocab_size == 64 and head.config.aux_layer_ids == [1, 1, 1]  # vLLM's (2, 1, -1) kept inside a 2-layer target
     assert main([*args[:-3], "--prompts", str(tmp_path / "nope.jsonl")]) != 0
+
+
+def test_rows_of_rejected_drafts_are_replaced_and_pending_rows_are_capped(monkeypatch):
+    from hf_paged.spec_decode.eagle import proposer as eagle_proposer
+
+    p = EagleProposer.__new__(EagleProposer)
+    p.pending = {}
+    rows = lambda start, n: torch.arange(start, start + n, dtype=torch.float32)[:, None]  # noqa: E731
+    p._append(1, 0, rows(0, 10))  # a prompt
+    p._append(1, 9, rows(100, 4))  # last token + 3 drafts verified at 9
+    p._append(1, 11, rows(200, 2))  # one draft accepted: the next step starts at 11, over the rejected rows
+    start, kept = p.pending[1]
+    assert start == 0 and kept[:, 0].tolist() == [*range(9), 100, 101, 200, 201]
+    p._append(2, 5, rows(0, 3))  # not contiguous with nothing kept: starts there
+    assert p.pending[2][0] == 5
+    monkeypatch.setattr(eagle_proposer, "MAX_PENDING", 4)
+    p._append(1, 13, rows(300, 2))
+    start, kept = p.pending[1]
+    assert start == 11 and kept[:, 0].tolist() == [200, 201, 300, 301]

@@ -30,6 +30,11 @@ from hf_paged.spec_decode.eagle.head import EagleHead
 
 logger = logging.getLogger(__name__)
 
+# most target rows kept per sequence between its proposals (a sequence that does not draft for a long time, e.g.
+# over disable_by_batch_size, keeps its newest rows only: older head positions are then never computed, which
+# can only lower its acceptance)
+MAX_PENDING = 4096
+
 
 class EagleProposer:
     """Greedy drafts from an EAGLE-3 head (see the module docstring).
@@ -94,6 +99,8 @@ class EagleProposer:
         if old is not None and old[0] <= start <= old[0] + old[1].shape[0]:
             rows = torch.cat([old[1][: start - old[0]], rows])  # drop rows from the rewritten positions on
             start = old[0]
+        if rows.shape[0] > MAX_PENDING:
+            start, rows = start + rows.shape[0] - MAX_PENDING, rows[-MAX_PENDING:]
         self.pending[seq_id] = (start, rows)
 
     @torch.inference_mode()
