@@ -92,10 +92,6 @@ class Speculator:
             if observe is not None and hidden:
                 observe(scheduled, hidden, lambda seq_id, key=key: getattr(states.get(seq_id), "spec_key", None) == key)
 
-    def hidden_layers(self) -> tuple[int, ...]:
-        """The target layers whose outputs the proposers read, every step."""
-        return tuple(sorted({i for p in list(self.proposers.values()) for i in getattr(p, "layers", ())}))
-
     def forget(self, finished: Sequence[int], preempted: Sequence[int]) -> None:
         for proposer in list(self.proposers.values()):
             proposer.forget(finished, preempted)

@@ -143,8 +143,9 @@ class EagleHead(nn.Module):
 
     Args:
         config: Its configuration.
-        embed_tokens: The target's input embedding, used where the checkpoint has no ``embed_tokens`` of its
-            own (kept outside the state dict: it is the target's).
+        embed_tokens: The target's input embedding, used where the head has none of its own (kept outside
+            the state dict: it is the target's).
+        own_embedding: Give the head an ``embed_tokens`` of its own (a checkpoint that has one).
     """
 
     def __init__(self, config: EagleHeadConfig, embed_tokens: nn.Module | None = None, own_embedding: bool = False) -> None:

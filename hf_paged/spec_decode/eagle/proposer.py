@@ -124,15 +124,15 @@ class EagleProposer:
         head = self.head
         batch = [ScheduledSequence(seq, start, tokens[start + 1 :], [], True) for seq, tokens, _, start, _ in jobs]
         fed = head.fc(torch.cat([rows for *_, rows in jobs]).to(head.fc.weight.dtype))
-        prenorm = self._forward(batch, tables, fed)
-        drafts = {seq: [] for seq, *_ in jobs}
-        for step in range(max(k for _, _, k, _, _ in jobs)):
+        prenorm = self._forward(batch, tables, fed)  # catch-up; its last row per sequence drafts the first token
+        wanted = {seq: k for seq, _, k, _, _ in jobs}
+        drafts: dict[int, list[int]] = {seq: [] for seq in wanted}
+        while True:
             tokens_now = head.to_target(head.logits(prenorm).argmax(dim=-1)).tolist()
-            active = []
-            for item, token, row in zip(batch, tokens_now, range(len(batch))):
+            active = []  # (next one-token item, its row in prenorm)
+            for row, (item, token) in enumerate(zip(batch, tokens_now)):
                 drafts[item.seq_id].append(token)
-                job_k = next(k for seq, _, k, _, _ in jobs if seq == item.seq_id)
-                if len(drafts[item.seq_id]) < job_k:
+                if len(drafts[item.seq_id]) < wanted[item.seq_id]:
                     active.append((ScheduledSequence(item.seq_id, item.seq_len, [token], [], True), row))
             if not active:
                 break
