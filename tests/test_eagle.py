@@ -201,10 +201,11 @@ class Recorder:
 
 def reference_drafts(model, head, tokens, k):
     """The head's greedy drafts computed plainly: one causal forward over the whole history per draft."""
-    layers = aux_layers(head.config, LAYERS)
+    from hf_paged.train.eagle_data import target_states
+
+    aux, _ = target_states(model, tokens, aux_layers(head.config, LAYERS))
     with torch.no_grad():
-        states = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
-        fed = head.fc(torch.cat([states[i + 1][0] for i in layers], dim=-1))[:-1]
+        fed = head.fc(aux)[:-1]
         ids, drafts = list(tokens[1:]), []
         for _ in range(k):
             prenorm = head(torch.tensor(ids), torch.arange(len(ids)), fed, causal_attend)
@@ -215,8 +216,12 @@ def reference_drafts(model, head, tokens, k):
     return drafts
 
 
+NATIVE = dict(decode_runner="native", prepack_weights="native", enforce_eager=False)  # the CPU decode program
+
+
 @pytest.mark.parametrize("engine_kw", [dict(block_size=4, num_blocks=400),
-                                       dict(block_size=2, num_blocks=1000, max_num_batched_tokens=16)])
+                                       dict(block_size=2, num_blocks=1000, max_num_batched_tokens=16),
+                                       dict(block_size=16, num_blocks=400, **NATIVE)])
 def test_paged_drafts_equal_a_plain_forward_of_the_head_over_the_whole_history(monkeypatch, engine_kw):
     """The head's KV, caught up from the rows each step captured, gives the drafts a plain forward does."""
     from hf_paged.spec_decode.speculator import Speculator
@@ -226,7 +231,22 @@ def test_paged_drafts_equal_a_plain_forward_of_the_head_over_the_whole_history(m
     model = target()
     head = random_head(seed=2, draft_vocab=200, aux_layer_ids=[1, 3, 2])
     recorder = Recorder(monkeypatch)
+    served = []
+    if "decode_runner" in engine_kw:  # the hidden states come from the native program's recorded copies
+        from hf_paged.executor.native_program import DecodeProgram
+
+        original = DecodeProgram.run
+
+        def run_program(self, step):
+            logits = original(self, step)
+            if logits is not None:
+                served.append(tuple(step.hidden))
+            return logits
+
+        monkeypatch.setattr(DecodeProgram, "run", run_program)
     run(model, PROMPTS, dict(method="eagle3", model=head, num_speculative_tokens=3), **engine_kw)
+    if "decode_runner" in engine_kw:
+        assert served and all(sorted(layers) == [0, 1, 2] for layers in served)
     assert len(recorder.calls) > 50
     for tokens, drafts in recorder.calls[:: len(recorder.calls) // 25]:  # a spread of them: each costs k forwards
         assert drafts == reference_drafts(model, head, tokens, len(drafts)), len(tokens)
@@ -361,6 +381,7 @@ def test_trainer_writes_a_head_that_fits_its_data_better_and_resumes_to_the_same
         assert torch.equal(resumed.state_dict()[key], value), key
 
     model = peaked_target()
+    assert not any(m._forward_hooks for m in model.modules())  # none left behind: the native program needs that
     head = load_head(str(tmp_path / "whole"), model)  # the layout vLLM reads, the target's embedding shared
     assert head.embed_tokens is None and head.config.draft_vocab_size == 96
     data = torch.load(tmp_path / "whole" / "train_data.pt", weights_only=False)

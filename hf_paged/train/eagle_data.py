@@ -113,11 +113,35 @@ class Record:
 
 
 @torch.no_grad()
+def target_states(model, tokens: list[int], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(aux [n, 3H], final [n, H])`` of one plain forward of the decoder over ``tokens``: the outputs of decoder
+    layers ``layers`` (concatenated in that order) and the last hidden state after the final norm.
+
+    Hooks on the layers live for this one forward only (``output_hidden_states`` would make transformers keep
+    hooks on the decoder layers, and the CPU native decode program declines a model with hooks)."""
+    from hf_paged.executor.step_runners import decoder_layers
+
+    outputs: dict[int, torch.Tensor] = {}
+
+    def keep(i: int):
+        def hook(module, args, out):
+            outputs[i] = (out[0] if isinstance(out, tuple) else out)[0]
+        return hook
+
+    device = next(model.parameters()).device
+    handles = [decoder_layers(model)[i].register_forward_hook(keep(i)) for i in set(layers)]
+    try:
+        final = model.get_decoder()(input_ids=torch.tensor([tokens], device=device), use_cache=False).last_hidden_state[0]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.cat([outputs[i] for i in layers], dim=-1), final
+
+
 def record(model, texts: list[list[int]], layers: tuple[int, ...]) -> list[Record]:
-    """One plain forward of the target per text (``output_hidden_states``; entry ``i + 1`` is layer i's output)."""
+    """The target's states over each text (one plain forward each), kept in fp16 on the CPU."""
     out = []
     for text in texts:
-        states = model(torch.tensor([text]), output_hidden_states=True, use_cache=False).hidden_states
-        aux = torch.cat([states[i + 1][0] for i in layers], dim=-1)
-        out.append(Record(torch.tensor(text), aux.half(), states[-1][0].half()))
+        aux, final = target_states(model, text, layers)
+        out.append(Record(torch.tensor(text), aux.half().cpu(), final.half().cpu()))
     return out
