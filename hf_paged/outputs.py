@@ -64,6 +64,47 @@ class CompletionOutput:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding of one request (all its samples), or of the engine.
+
+    Attributes:
+        num_drafts: Verifications (steps that checked drafts).
+        num_draft_tokens: Draft tokens proposed.
+        num_accepted_tokens: Draft tokens accepted.
+        accepted_per_position: Accepted drafts at each draft position (index 0: the first draft of a step).
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification step emits on average: 1 + accepted drafts per verification (vLLM's measure)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @classmethod
+    def of(cls, seqs) -> SpecDecodeStats | None:
+        """The sum over sequences' counts (None where none of them speculated)."""
+        total = cls()
+        for seq in seqs:
+            drafts, tokens, accepted = seq.spec_counts
+            total.num_drafts += drafts
+            total.num_draft_tokens += tokens
+            total.num_accepted_tokens += accepted
+            for i, n in enumerate(seq.spec_accepted_per_position):
+                if i == len(total.accepted_per_position):
+                    total.accepted_per_position.append(0)
+                total.accepted_per_position[i] += n
+        return total if total.num_drafts else None
+
+
+@dataclass
 class RequestOutput:
     """The state of one request.
 
@@ -79,6 +120,7 @@ class RequestOutput:
         arrival_time, first_token_time, finish_time: ``time.time()`` stamps.
         prompt: The prompt text, when it was given as text.
         num_cached_tokens: Prompt tokens whose KV came from the prefix cache.
+        spec_decode: Its speculative decoding so far (:class:`SpecDecodeStats`), None where it drafted nothing.
     """
 
     request_id: str
@@ -90,6 +132,7 @@ class RequestOutput:
     finish_time: float | None = None
     prompt: str | None = None
     num_cached_tokens: int = 0
+    spec_decode: SpecDecodeStats | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -160,3 +203,8 @@ class EngineStats:
     @property
     def spec_acceptance_rate(self) -> float:
         return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """1 + accepted drafts per verification (0 before any)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0

@@ -27,7 +27,7 @@ PACKAGE = ROOT / "hf_paged"
 # below it. The longest matching prefix decides a module's layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # `hf-paged serve` and `hf-paged bench serve` start the server, so the commands sit above serving
-    ("commands", ("hf_paged.cli", "hf_paged.bench")),
+    ("commands", ("hf_paged.cli", "hf_paged.bench", "hf_paged.train")),
     ("serving", ("hf_paged.serving", "hf_paged.ui")),
     ("api", ("hf_paged", "hf_paged._moved", "hf_paged.hf")),
     ("engine", ("hf_paged.engine",)),

@@ -423,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--top-p", type=float, default=0.9, help="initial nucleus sampling mass")
     chat.add_argument("--system-prompt", default="", help="initial system prompt ('' for the model's default)")
     chat.set_defaults(func=cmd_chat, top_k=0, seed=None)
+    from hf_paged.cli.train_eagle import add_parser as add_train_eagle
+
+    add_train_eagle(sub, fmt, _positive_int)
     return parser
 
 

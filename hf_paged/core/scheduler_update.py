@@ -39,7 +39,7 @@ class SchedulerUpdate:
                 request.num_computed_tokens = item.start + 1 + accepted
                 # blocks past the next token's slot hold rejected drafts only: back to the pool
                 self.kv.truncate(request.seq_id, request.num_computed_tokens + 1)
-                self._count_acceptance(item.num_draft_tokens, accepted)
+                self._count_acceptance(item.num_draft_tokens, accepted, request)
             else:
                 request.num_computed_tokens = item.seq_len
             request.spec_token_ids = []
@@ -85,14 +85,19 @@ class SchedulerUpdate:
             if beam.status is SequenceStatus.FINISHED_LENGTH:
                 raise RuntimeError(f"beam {beam.seq_id} was finished by the scheduler (a bug: please report)")
 
-    def _count_acceptance(self, num_drafts: int, accepted: int) -> None:
+    def _count_acceptance(self, num_drafts: int, accepted: int, request: Sequence) -> None:
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += num_drafts
         self.spec_num_accepted_tokens += accepted
-        while len(self.spec_accepted_per_position) < num_drafts:
-            self.spec_accepted_per_position.append(0)
-        for i in range(accepted):
-            self.spec_accepted_per_position[i] += 1
+        counts = request.spec_counts
+        counts[0] += 1
+        counts[1] += num_drafts
+        counts[2] += accepted
+        for per_position in (self.spec_accepted_per_position, request.spec_accepted_per_position):
+            while len(per_position) < num_drafts:
+                per_position.append(0)
+            for i in range(accepted):
+                per_position[i] += 1
 
     # -- sequences of a group (n > 1, beams) ------------------------------------------------------------
     def fork_sequence(self, parent: Sequence, index: int, seq_id: int | None = None) -> Sequence:

@@ -92,6 +92,9 @@ class Sequence:
         self.spec_k = 0
         self.spec_lookahead = 0
         self.spec_disable_batch_size: int | None = None
+        # its own speculation counts: verifications, drafts, accepted drafts, accepted at each draft position
+        self.spec_counts: list[int] = [0, 0, 0]
+        self.spec_accepted_per_position: list[int] = []
         self.error: str | None = None  # why a request finished with status FINISHED_ERROR
         # When a list, the sampler appends each step's processed logits row (for HF's output_scores).
         self.scores: list | None = None
@@ -151,6 +154,7 @@ class Sequence:
         child.output_token_ids = list(self.output_token_ids)
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         child.spec_token_ids = []
+        child.spec_counts, child.spec_accepted_per_position = [0, 0, 0], []
         child.block_hashes = list(self.block_hashes)
         child.parked = False
         child.scores = None if self.scores is None else list(self.scores)

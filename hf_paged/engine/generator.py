@@ -238,7 +238,8 @@ class PagedGenerator(GeneratorClients, StructuredIntake, LoRAIntake):
             self.executor.add_proposer(key, spec)
         elif not build:
             check_speculative(spec)
-        lookahead = spec.num_speculative_tokens if spec.method == "draft_model" else 0
+        # a draft model or head writes its KV up to k - 1 slots past the sequence while drafting
+        lookahead = spec.num_speculative_tokens if spec.method in ("draft_model", "eagle3") else 0
         return key, spec.num_speculative_tokens, lookahead, spec.disable_by_batch_size
 
     def _admit(self, request: Sequence, state: RequestState, queue_outputs: bool) -> None:

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hf_paged.engine.detokenizer import StopStringChecker
-from hf_paged.outputs import CompletionOutput, RequestOutput
+from hf_paged.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
 from hf_paged.core.sequence import Sequence, SequenceStatus
 
 
@@ -164,4 +164,5 @@ class OutputProcessor:
             finish_time=max(finish_times, default=None) if finished else None,
             prompt=state.prompt,
             num_cached_tokens=first.num_cached_tokens,
+            spec_decode=SpecDecodeStats.of(state.seqs.values()),
         )

@@ -201,6 +201,8 @@ class ModelRunner:
         step = Step(out.scheduled, self.prepare, self.hidden_layers)
         logits = self.compute_logits(step)
         self.last_hidden = step.hidden
+        if step.hidden:  # an EAGLE head keeps the rows of its sequences (prompt chunks too)
+            self.speculator.observe(out.scheduled, step.hidden, self.states)
         if not step.sampled:  # only mid-prompt chunks: the KV is written, no token is sampled
             return ModelRunnerOutput()
         return self.sample(logits, step.sampled)

@@ -30,6 +30,10 @@ from hf_paged.executor.input_batch import BlockTables
 from hf_paged.executor.kv_pool import KVPool, decide_num_blocks, probe_kv_layout
 from hf_paged.model.hf_config import chunked_attention_size, text_config
 from hf_paged.spec_decode.draft_model import DraftModelProposer
+from hf_paged.executor.step_runners import decoder_layers
+from hf_paged.spec_decode.eagle.head import EagleHead
+from hf_paged.spec_decode.eagle.loading import aux_layers, check_head, load_head
+from hf_paged.spec_decode.eagle.proposer import EagleProposer
 from hf_paged.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -226,6 +230,8 @@ def make_proposer(spec, runner, max_model_len: int, announce=None, cfg: EngineCo
     check_speculative(spec)
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "eagle3":
+        return make_eagle_proposer(spec, runner)
     draft = spec.model
     if isinstance(draft, str) and spec.self_draft_layers is None:
         draft, _ = load_model(draft, dtype=next(runner.model.parameters()).dtype, device=runner.device)
@@ -236,6 +242,22 @@ def make_proposer(spec, runner, max_model_len: int, announce=None, cfg: EngineCo
     return DraftModelProposer(runner.model, runner.pool, runner.draft_logits, runner.attention_layers,
                               None if spec.self_draft_layers else draft, spec.self_draft_layers, max_model_len, announce,
                               fast)
+
+
+def make_eagle_proposer(spec, runner) -> EagleProposer:
+    """An EAGLE-3 proposer for ``spec.model`` (a head folder or a loaded head), and the runner told to capture
+    the hidden states of the head's layers from now on (every step, by whichever step runner serves it)."""
+    head = spec.model
+    if isinstance(head, str):
+        head = load_head(head, runner.model)
+    elif not isinstance(head, EagleHead):
+        raise TypeError(f"speculative_config method 'eagle3' takes a head folder or an EagleHead, got {type(head).__name__}")
+    else:
+        check_head(head, runner.model)
+    layers = aux_layers(head.config, len(decoder_layers(runner.model)))
+    proposer = EagleProposer(head, layers, runner.model, runner.pool, runner.prepare_batch, runner.attention_layers)
+    runner.capture_hidden(tuple(set(runner.hidden_layers) | set(layers)))
+    return proposer
 
 
 def draft_program(model: torch.nn.Module, layers: AttentionLayers, cfg: EngineConfig, max_rows: int,

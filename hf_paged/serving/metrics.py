@@ -200,6 +200,13 @@ class _EngineCollector:
         for reason, count in counts.items():
             rejected.add_metric([self.metrics.model_name, reason], count)
         yield rejected
+        # as vLLM: accepted drafts by draft position (mean acceptance length = 1 + accepted / drafts)
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Speculative draft tokens accepted, by draft position "
+            "(0: the first draft of a step).", labels=["model_name", "position"])
+        for position, count in enumerate(stats.spec_accepted_per_position if stats is not None else ()):
+            per_position.add_metric([self.metrics.model_name, str(position)], count)
+        yield per_position
 
     def describe(self):
         return []

@@ -33,6 +33,8 @@ def spec_key(config: SpeculativeConfig) -> str:
         return f"ngram:{config.prompt_lookup_min}:{config.prompt_lookup_max}"
     if config.self_draft_layers is not None:
         return f"self:{config.self_draft_layers}"
+    if config.method == "eagle3":
+        return f"eagle3:{id(config.model) if not isinstance(config.model, str) else config.model}"
     return f"draft:{id(config.model) if not isinstance(config.model, str) else config.model}"
 
 
@@ -81,6 +83,14 @@ class Speculator:
             proposed = self.proposers[key].propose([s for s, _ in chosen], [k for _, k in chosen], tables)
             drafts.update({s.seq_id: d[:k] for (s, k), d in zip(chosen, proposed) if d})
         return drafts
+
+    def observe(self, scheduled: Sequence, hidden: Mapping, states: Mapping) -> None:
+        """Hand the step's captured target hidden states to the proposers that read them (EAGLE heads), each
+        for the sequences it drafts for (``states``: the runner's, by sequence id)."""
+        for key, proposer in list(self.proposers.items()):
+            observe = getattr(proposer, "observe", None)
+            if observe is not None and hidden:
+                observe(scheduled, hidden, lambda seq_id, key=key: getattr(states.get(seq_id), "spec_key", None) == key)
 
     def forget(self, finished: Sequence[int], preempted: Sequence[int]) -> None:
         for proposer in list(self.proposers.values()):

@@ -1,0 +1,151 @@
+"""EAGLE-3 proposer: the head drafts from the target's hidden states, with its KV paged in a pool of its own.
+
+Every step the target runs, its runner captures the outputs of the head's three layers for all of the step's
+rows (``Step.hidden_layers``, no second pass), and :meth:`EagleProposer.observe` keeps, per sequence, the rows
+the head has not consumed yet (``pending``: a start position and ``[m, 3H]``). At proposal time (the sequence
+now has ``n`` tokens) the head position ``p`` pairs the embedding of token ``p + 1`` with ``fc`` of the target's
+hidden state at ``p``; every pending ``p <= n - 2`` is valid (rows of rejected drafts are dropped), so one
+varlen forward over all proposing sequences catches the head's KV up and its last row drafts token ``n``.
+Each further draft is a one-token forward for the batch at the next head position, fed the head's own output.
+
+The head's KV pool has the target's block size and block count and is indexed by the target's block tables
+and slots (the scheduler sets aside ``k`` lookahead slots per proposing sequence, as for a draft model), so it
+needs no memory management of its own; the step's copy-on-write copies apply to it too (:meth:`move_blocks`).
+Drafted head positions are overwritten by the next catch-up. A forked sample (n > 1) inherits its parent's
+pending rows. Where the target did not compute a position (a prefix-cache hit, a sequence swapped out and back
+in), the head reads whatever its pool holds there: drafts may be worse, output never changes (verification).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hf_paged.attention.layer import AttentionFacts
+from hf_paged.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from hf_paged.executor.kv_pool import KVPool, LayerKVSpec, copy_blocks
+from hf_paged.spec_decode.draft_model import matmul_params
+from hf_paged.spec_decode.eagle.head import EagleHead
+
+logger = logging.getLogger(__name__)
+
+# most target rows kept per sequence between its proposals (a sequence that does not draft for a long time, e.g.
+# over disable_by_batch_size, keeps its newest rows only: older head positions are then never computed, which
+# can only lower its acceptance)
+MAX_PENDING = 4096
+
+
+class EagleProposer:
+    """Greedy drafts from an EAGLE-3 head (see the module docstring).
+
+    Args:
+        head: The loaded head (on the target's device and dtype).
+        layers: The target's decoder layers whose outputs the head reads, in ``fc`` order.
+        target: The engine's model (for the head's relative cost).
+        target_pool: The engine's KV pool (the head's pool copies its block size and count).
+        prepare_batch: The model runner's ``prepare_batch`` (packs sequences over attention layers and tables).
+        attention_layers: The model runner's ``attention_layers`` (layer objects over a pool, engine backend).
+    """
+
+    def __init__(self, head: EagleHead, layers: tuple[int, ...], target: torch.nn.Module, target_pool: KVPool,
+                 prepare_batch, attention_layers) -> None:
+        self.head = head
+        self.layers = tuple(layers)
+        self.prepare_batch = prepare_batch
+        cfg = head.config
+        dtype = next(head.parameters()).dtype
+        facts = AttentionFacts(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim,
+                               cfg.head_dim ** -0.5)
+        spec = LayerKVSpec(cfg.num_key_value_heads, cfg.head_dim, dtype, "auto", facts)
+        self.pool = KVPool([spec], target_pool.num_blocks, target_pool.block_size, target_pool.device)
+        self.attention = attention_layers(self.pool)
+        self.block_size = target_pool.block_size
+        self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # seq -> (first position, [m, 3H] target rows)
+        self.relative_cost = matmul_params(head) / max(1, matmul_params(target))
+        logger.info("EAGLE head: KV pool of %.1f MiB, %.3f of a target forward per drafted token",
+                    self.pool.total_bytes / 2**20, self.relative_cost)
+
+    def close(self) -> None:
+        self.pool.kv_caches.clear()
+        self.pending.clear()
+
+    def forget(self, finished, preempted=()) -> None:
+        for seq_id in (*finished, *preempted):
+            self.pending.pop(seq_id, None)
+
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        self.pool.commit(out.blocks_high_water)
+        copy_blocks(self.pool.kv_caches, out.block_copies)
+
+    def observe(self, scheduled: list[ScheduledSequence], hidden: dict[int, torch.Tensor], mine) -> None:
+        """Keep this step's target hidden states of the sequences ``mine(seq_id)`` says this proposer drafts for."""
+        if not all(layer in hidden for layer in self.layers):
+            return
+        rows = None
+        offset = 0
+        for item in scheduled:
+            n = item.num_new_tokens
+            if mine(item.seq_id):
+                if rows is None:
+                    rows = torch.cat([hidden[layer] for layer in self.layers], dim=-1)
+                self._append(item.seq_id, item.start, rows[offset : offset + n])
+                for child in item.fork_seq_ids:  # the same prompt: the samples start from the parent's rows
+                    self.pending[child] = self.pending[item.seq_id]
+            offset += n
+
+    def _append(self, seq_id: int, start: int, rows: torch.Tensor) -> None:
+        old = self.pending.get(seq_id)
+        if old is not None and old[0] <= start <= old[0] + old[1].shape[0]:
+            rows = torch.cat([old[1][: start - old[0]], rows])  # drop rows from the rewritten positions on
+            start = old[0]
+        if rows.shape[0] > MAX_PENDING:
+            start, rows = start + rows.shape[0] - MAX_PENDING, rows[-MAX_PENDING:]
+        self.pending[seq_id] = (start, rows)
+
+    @torch.inference_mode()
+    def propose(self, states, num_tokens: list[int], tables: dict[int, list[int]]) -> list[list[int]]:
+        jobs = []  # (seq id, tokens, k, first head position, target rows)
+        for state, k in zip(states, num_tokens):
+            table = tables.get(state.seq_id)
+            pend = self.pending.get(state.seq_id)
+            if table is None or pend is None:
+                continue
+            tokens = state.prompt_token_ids + state.output_token_ids
+            last = len(tokens) - 2  # the newest head position: token n - 1 with the target's state at n - 2
+            k = min(k, len(table) * self.block_size - len(tokens) + 1)  # the slots the scheduler set aside
+            start, rows = pend
+            if k <= 0 or start > last or start + rows.shape[0] <= last:
+                continue
+            del self.pending[state.seq_id]
+            jobs.append((state.seq_id, tokens, k, start, rows[: last - start + 1]))
+        if not jobs:
+            return [[] for _ in states]
+        head = self.head
+        batch = [ScheduledSequence(seq, start, tokens[start + 1 :], [], True) for seq, tokens, _, start, _ in jobs]
+        fed = head.fc(torch.cat([rows for *_, rows in jobs]).to(head.fc.weight.dtype))
+        prenorm = self._forward(batch, tables, fed)  # catch-up; its last row per sequence drafts the first token
+        wanted = {seq: k for seq, _, k, _, _ in jobs}
+        drafts: dict[int, list[int]] = {seq: [] for seq in wanted}
+        while True:
+            tokens_now = head.to_target(head.logits(prenorm).argmax(dim=-1)).tolist()
+            active = []  # (next one-token item, its row in prenorm)
+            for row, (item, token) in enumerate(zip(batch, tokens_now)):
+                drafts[item.seq_id].append(token)
+                if len(drafts[item.seq_id]) < wanted[item.seq_id]:
+                    active.append((ScheduledSequence(item.seq_id, item.seq_len, [token], [], True), row))
+            if not active:
+                break
+            batch = [b for b, _ in active]
+            prenorm = self._forward(batch, tables, prenorm[[r for _, r in active]])
+        return [drafts.get(state.seq_id, []) for state in states]
+
+    def _forward(self, batch: list[ScheduledSequence], tables: dict[int, list[int]], hidden: torch.Tensor) -> torch.Tensor:
+        """The head over ``batch`` (head positions, tokens after them) with ``hidden`` rows; ``prenorm`` at each
+        sequence's last row."""
+        inputs = self.prepare_batch(batch, self.attention, tables)
+        meta = inputs.metadata
+        layer = meta.layers[0]
+        out = self.head(inputs.input_ids[0], inputs.position_ids[0], hidden,
+                        lambda q, k, v: layer(q, k, v, meta))
+        return out.index_select(0, inputs.logits_indices)
