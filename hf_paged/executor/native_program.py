@@ -19,10 +19,10 @@ registered; it records itself again when something it recorded changed (:meth:`D
 
 With multi-LoRA (``lora``: the engine's :class:`~hf_paged.lora.manager.LoRAManager`) the program records two
 call lists: the base one, and the same calls with a LoRA delta op after every adaptable projection's GEMM
-(:class:`_Delta`: the q/k/v and gate/up groups' input gathered once, each member's delta added into its columns
-of the group's output). A step with adapter rows (the manager's ``plan`` set for it) replays the second; the
-deltas are the slots' own computation (:meth:`~hf_paged.lora.slots.LoRASlot.add_delta`), so adapter rows get the
-eager forward's logits.
+(:class:`~hf_paged.executor.program_ops.Delta`: the q/k/v and gate/up groups' input gathered once, each
+member's delta added into its columns of the group's output). A step with adapter rows (the manager's ``plan``
+set for it) replays the second; the deltas are the slots' own computation
+(:meth:`~hf_paged.lora.slots.LoRASlot.add_delta`), so adapter rows get the eager forward's logits.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from hf_paged.executor.program_fit import hooks, skipped_modules, why_not
 from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops
 from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
 from hf_paged.executor.quant_program import QuantEmbedding, QuantLinear, QuantOp, quant_group
-from hf_paged.model.layers.parallel import ParallelLinear, linear_of
+from hf_paged.model.layers.parallel import linear_of
+from hf_paged.executor.program_ops import Copy as _Copy, Delta as _Delta, Finish as _Finish, Linear as _Linear
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +204,8 @@ class DecodeProgram:
             if getattr(obj, attr, None) != value:
                 return False
         for layer, slot in self._lora_checks:
-            if layer.lora is not None and layer.lora is not slot:
+            lora = getattr(layer, "lora", None)
+            if lora is not None and lora is not slot:
                 return False
         for group, pack in self._groups:
             if not group.usable() or group.pack is not pack:
@@ -470,71 +472,6 @@ class DecodeProgram:
 
 def _shape(pack) -> tuple[int, int]:
     return (pack.out_features, pack.in_features) if type(pack) is QuantLinear else tuple(pack.source.shape)
-
-
-class _Linear:
-    """A packed linear the program runs through its own ``linear`` (packings other than the native GEMM):
-    ``y[:rows] = pack.linear(x[:rows, :in], bias)``, the call the eager forward makes, into the step buffer."""
-
-    __name__ = "linear"
-
-    def __init__(self, pack, bias, x: torch.Tensor, y: torch.Tensor, rows: ctypes.c_int) -> None:
-        self.pack, self.bias, self.x, self.y, self.rows = pack, bias, x, y, rows
-        self.in_features = pack.source.shape[1]  # every packing keeps the weight it packed
-
-    def __call__(self) -> None:
-        n = self.rows.value
-        self.y[:n].copy_(self.pack.linear(self.x[:n, : self.in_features], self.bias))
-
-
-class _Delta:
-    """The LoRA deltas of linears sharing the input ``x`` (a group's members, or one projection): with the step's
-    plan set, ``x[:rows]`` gathered once as the plan lays it out, then each member slot's deltas added into its
-    output buffer ``y[:rows]`` (a column view of the group's output), as the slot adds them in the eager forward."""
-
-    __name__ = "lora_delta"
-
-    def __init__(self, manager, x: torch.Tensor, targets: list, rows: ctypes.c_int) -> None:
-        self.manager, self.x, self.targets, self.rows = manager, x, targets, rows
-
-    def __call__(self) -> None:
-        plan = self.manager.plan
-        active = [(slot, y) for slot, y in self.targets if slot.active(plan)]
-        if not active:
-            return
-        n = self.rows.value
-        xs = plan.inputs(self.x[:n], active[0][0].dtype)
-        for slot, y in active:
-            slot.add_delta(plan, xs if slot.dtype == active[0][0].dtype else plan.inputs(self.x[:n], slot.dtype), y[:n])
-
-
-class _Copy:
-    """``dst[:rows] = src[:rows]``: a decoder layer's output copied out of the residual buffer."""
-
-    __name__ = "copy"
-
-    def __init__(self, src: torch.Tensor, dst: torch.Tensor, rows: ctypes.c_int) -> None:
-        self.src, self.dst, self.rows = src, dst, rows
-
-    def __call__(self) -> None:
-        n = self.rows.value
-        self.dst[:n].copy_(self.src[:n])
-
-
-class _Finish:
-    """A tensor-parallel layer's collective on its step buffer: ``layer.finish(y[:rows])`` (the all-reduce of a
-    row-parallel projection, in place; the LM head's gather, into ``out`` on rank 0), as its forward runs it."""
-
-    __name__ = "finish"
-
-    def __init__(self, layer: ParallelLinear, y: torch.Tensor, rows: ctypes.c_int, out: torch.Tensor | None = None) -> None:
-        self.layer, self.y, self.rows, self.out = layer, y, rows, out
-
-    def __call__(self) -> None:
-        n = self.rows.value
-        done = self.layer.finish(self.y[:n])
-        if self.out is not None and self.layer.rank == 0:
-            self.out[:n].copy_(done)
 
 
 class _Unfit(Exception):
