@@ -158,34 +158,53 @@ def test_preempted_adapter_rows_resume_with_their_adapter(setup):
     assert [o.outputs[0].token_ids for o in outs] == refs
 
 
-@pytest.mark.parametrize("runner", [dict(decode_runner="static"), dict(decode_runner="native", prepack_weights=True)])
-def test_fast_decode_runners_serve_base_steps_and_adapter_steps_run_eager(tmp_path, runner):
-    """Adapter steps leave the decode buckets / native program (their slots are set only for that forward);
-    base-only steps still take the fast runner, and every row keeps its parity."""
-    base = make_model("llama")
-    peft_model = make_adapter(base, tmp_path, seed=21, **ADAPTERS["b"])
-    req = LoRARequest("b", 1, str(tmp_path))
-    prompts = make_prompts(4, seed=17)
-    names = [None, "b", None, "b"]
-    refs = [stock_greedy(peft_model if n else base, p, MAX_TOKENS) for p, n in zip(prompts, names)]
+def test_static_buckets_run_adapter_steps(setup):
+    """The "static" decode buckets run steps with adapter rows too (the padding rows are base rows for the
+    slots): greedy ids equal PEFT's, and the buckets served adapter steps."""
+    base, adapters = setup
+    names = [None, "a", "b", "b", "a"]  # 5 sequences: padded to a bucket of 8
+    prompts = make_prompts(len(names), seed=31)
+    refs = [reference(base, adapters, p, n) for p, n in zip(prompts, names)]
+    with PagedGenerator(base, enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=64,
+                        decode_runner="static") as engine:
+        buckets = engine.executor.runner.fast
+        outs = engine.generate(prompts, GREEDY, use_tqdm=False,
+                               lora_request=[None if n is None else adapters[n][0] for n in names])
+        assert buckets.num_lora_replays >= MAX_TOKENS - 2
+        assert all(layer.lora is None for layer in engine.executor.lora._layers.values())
+    assert [o.outputs[0].token_ids for o in outs] == refs
+
+
+@pytest.mark.parametrize("names", [
+    [None, "a", "b", None, "b", "a", "a", "b"],  # decodes of interleaved adapters: the padded bmm layout
+    ["a", "a", "a", "b", "b", None],  # few runs
+    ["b"],  # batch 1: one run
+])
+def test_native_program_runs_adapter_steps(setup, names):
+    """Steps with adapter rows run on the native decode program (its LoRA delta ops): greedy ids equal the eager
+    engine's and PEFT's, and the program served adapter steps (it does not step aside)."""
+    base, adapters = setup
+    prompts = make_prompts(len(names), seed=29)
+    refs = [reference(base, adapters, p, n) for p, n in zip(prompts, names)]
+    loras = [None if n is None else adapters[n][0] for n in names]
+    settings = dict(enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=64)
     try:
-        engine = PagedGenerator(base, enable_lora=True, max_lora_rank=8, num_blocks=64, **runner)
+        engine = PagedGenerator(base, decode_runner="native", prepack_weights="native", **settings)
     except ValueError as e:  # the native program needs kernels this CPU may lack
         pytest.skip(str(e))
     with engine:
-        fast = engine.executor.runner.fast
-        assert fast is not None
-        calls = []
-        original = fast.run
-        fast.run = lambda step: calls.append(step) or original(step)
-        mixed = engine.generate(prompts, GREEDY, use_tqdm=False,
-                                lora_request=[req if n else None for n in names])
-        assert not calls  # every step of that batch had adapter rows
-        only_base = engine.generate([prompts[0]], GREEDY, use_tqdm=False)
-        assert calls  # base-only decode steps take the fast runner
+        program = engine.executor.runner.fast
+        outs = engine.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        assert program.num_lora_runs >= MAX_TOKENS - 2, program.why_not
         assert all(layer.lora is None for layer in engine.executor.lora._layers.values())
-    assert [o.outputs[0].token_ids for o in mixed] == refs
-    assert only_base[0].outputs[0].token_ids == refs[0]
+        base_runs = program.num_runs - program.num_lora_runs
+        engine.generate([prompts[0]], GREEDY, use_tqdm=False)  # base only: the base call list
+        assert program.num_runs - program.num_lora_runs > base_runs
+    with PagedGenerator(base, enforce_eager=True, **settings) as eager:
+        eager_outs = eager.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    native = [o.outputs[0].token_ids for o in outs]
+    assert native == [o.outputs[0].token_ids for o in eager_outs]
+    assert native == refs
 
 
 def test_swap_preemption_and_quantized_base_with_adapters(tmp_path):

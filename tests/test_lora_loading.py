@@ -164,11 +164,13 @@ def test_adapter_is_part_of_the_prefix_hash():
     assert kv.find_cached_prefix(b)[0] == [] and kv.find_cached_prefix(list(range(1, 10)))[0] == []
 
 
-@pytest.mark.parametrize("token_slots", [
-    [-1, -1, 0, 0, 0, 2, 2, -1],                      # a few runs: computed in place on views
-    [0, 1, 2, -1, 2, 1, 0, 0, 1, -1, 2, 0, 1, 2, 0, 1, 1, 0, 2, 0],  # many: gathered by slot, scattered back
+@pytest.mark.parametrize("token_slots,layout", [
+    ([-1, -1, 0, 0, 0, 2, 2, -1], "padded"),  # short runs: gathered, padded by slot, one bmm pair
+    ([-1] + [0] * 20 + [2] * 18 + [-1], "runs"),  # a few long runs: computed in place on views
+    ([0, 1, 2, -1, 2, 1, 0, 0, 1, -1, 2, 0, 1, 2, 0, 1, 1, 0, 2, 0], "padded"),
+    ([0] * 3 + [1, 0, 2, 0] + [0] * 55, "segments"),  # uneven: padding would cost more than the rows
 ])
-def test_slot_adds_each_rows_adapter_delta(token_slots):
+def test_slot_adds_each_rows_adapter_delta(token_slots, layout):
     from hf_paged.lora.loading import LoRALayerWeights
     from hf_paged.lora.slots import LoRASlot, plan_step
 
@@ -190,6 +192,7 @@ def test_slot_adds_each_rows_adapter_delta(token_slots):
             w = weights[index]
             expected[0, row] += (x[0, row] @ w.a.t() @ w.b.t()) * w.scale
     source.plan = plan_step(token_slots, torch.device("cpu"))
+    assert source.plan.layout == layout
     assert torch.allclose(slot(x, y.clone()), expected, atol=1e-5)
     source.plan = None
     assert torch.equal(slot(x, y), y)  # no plan: nothing added

@@ -93,12 +93,14 @@ class DecodeBuckets:
 
     def __init__(
         self, model: torch.nn.Module, attention: AttentionLayers, block_size: int, mode: str, buckets: Sequence[int],
-        max_query_len: int, max_model_len: int, block_tables: BlockTables, agree=None,
+        max_query_len: int, max_model_len: int, block_tables: BlockTables, agree=None, lora=None,
     ) -> None:
         # agree: tensor parallelism: the smallest of every rank's value (1: this rank built a bucket, 0: it could
         # not), so that all ranks take a bucket or none: a padded step and an unpadded one run collectives of
         # different sizes
         self.agree = agree
+        self.lora = lora  # the LoRA manager ("static" runs its slots on the padded rows), or None
+        self.num_lora_replays = 0
         self.model = model
         self.layers = attention
         self.block_size = block_size
@@ -135,6 +137,15 @@ class DecodeBuckets:
             if b >= num_seqs:
                 return b
         return None
+
+    @property
+    def serves_lora(self) -> bool:
+        """Whether steps with adapter rows may run here: "static" only, whose padded forward is the eager one
+        (the slots see the padding rows as base rows). A CUDA graph or an inductor graph is made once per
+        bucket, but a LoRA step's work is decided per step in Python (which layers have a slot, the rows'
+        grouping by adapter, index tensors made for that step): a captured graph would replay the first
+        step's grouping, and inductor would guard-fail and recompile on every new one."""
+        return self.lora is not None and self.mode == "static"
 
     def accepts(self, scheduled: list[ScheduledSequence]) -> bool:
         return self.plan(scheduled) is not None
@@ -183,6 +194,9 @@ class DecodeBuckets:
         buckets are then disabled, with one warning). Steps that want hidden states are the eager runner's."""
         if step.hidden_layers:
             return None
+        plan = None if self.lora is None else self.lora.plan  # a step with adapter rows (set for this step)
+        if plan is not None and not self.serves_lora:
+            return None
         planned = self.plan(step.scheduled)
         if planned is None:
             return None
@@ -202,8 +216,15 @@ class DecodeBuckets:
                 self.disable(f"building decode bucket {bucket} x {q} ({self.mode}) failed: {why}")
                 return None
             self.graphs[key] = fn
-        logits = fn()
+        if plan is not None:
+            plan.num_tokens = bucket * q  # the padding rows follow the real ones: base rows for the slots
+        try:
+            logits = fn()
+        finally:
+            if plan is not None:
+                plan.num_tokens = len(scheduled) * q
         self.num_replays += 1
+        self.num_lora_replays += plan is not None
         return logits[: len(scheduled) * q]
 
     def disable(self, reason: str) -> None:

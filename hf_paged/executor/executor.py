@@ -174,7 +174,7 @@ class UniProcExecutor(Executor):
             attention = AttentionLayers.for_pool(self.pool, make_backend(self.backend, cfg.block_size, native_max_q))
             tables = BlockTables()
             fast = make_fast_runner(model, cfg, self.pool, attention, self.max_model_len, self.packed, self.fused,
-                                    tables, agree)
+                                    tables, agree, self.lora)
             self.runner = ModelRunner(model, self.pool, attention, Sampler(self.device, cfg.seed), self.max_model_len,
                                       fast, tables, self.lora)
             self.kv_tiers = self.runner.tiers = make_tier_store(model, cfg, self.pool, self.max_model_len, agree)

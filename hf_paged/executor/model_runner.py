@@ -157,13 +157,16 @@ class ModelRunner:
     def compute_logits(self, step: Step, model: torch.nn.Module | None = None, fast: StepRunner | None = None) -> torch.Tensor:
         """Logits ``[N, V]`` at the sampled rows of ``step``: on the fast runner where it takes the step, else
         on the eager forward; ``model`` and ``fast``: a draft model and its own fast runner (default: the
-        target's). A step with adapter rows runs eagerly with the step's LoRA slots set (a draft runs base)."""
+        target's). A step with adapter rows runs with the step's LoRA plan and slots set: on the native decode
+        program where it takes the step (its delta ops), else eagerly (a draft runs base)."""
         if model is None:
             fast = self.fast
             if self.lora is not None and any(item.lora_int_id for item in step.scheduled):
                 try:  # the step's adapter of each row, for every slot; cleared after
                     self.lora.set_step([(item.lora_int_id, item.num_new_tokens) for item in step.scheduled], self.device)
-                    return self.eager.run(step)
+                    serves = fast is not None and getattr(fast, "serves_lora", False) and fast.accepts(step.scheduled)
+                    logits = fast.run(step) if serves else None
+                    return self.eager.run(step) if logits is None else logits
                 finally:
                     self.lora.clear_step()
         logits = fast.run(step) if fast is not None and fast.accepts(step.scheduled) else None

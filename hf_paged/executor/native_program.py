@@ -16,6 +16,13 @@ order of the residual adds), so its logits are those of the eager engine. It run
 sequence takes the native attention (the step's ``NativeStep``: decodes, draft verification, short prompts)
 and falls back to the eager forward for everything else, and while a module hook it would skip is
 registered; it records itself again when something it recorded changed (:meth:`DecodeProgram._valid`).
+
+With multi-LoRA (``lora``: the engine's :class:`~hf_paged.lora.manager.LoRAManager`) the program records two
+call lists: the base one, and the same calls with a LoRA delta op after every adaptable projection's GEMM
+(:class:`~hf_paged.executor.program_ops.Delta`: the q/k/v and gate/up groups' input gathered once, each
+member's delta added into its columns of the group's output). A step with adapter rows (the manager's ``plan``
+set for it) replays the second; the deltas are the slots' own computation
+(:meth:`~hf_paged.lora.slots.LoRASlot.add_delta`), so adapter rows get the eager forward's logits.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from hf_paged.executor.program_fit import hooks, skipped_modules, why_not
 from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops
 from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
 from hf_paged.executor.quant_program import QuantEmbedding, QuantLinear, QuantOp, quant_group
-from hf_paged.model.layers.parallel import ParallelLinear, linear_of
+from hf_paged.model.layers.parallel import linear_of
+from hf_paged.executor.program_ops import Copy as _Copy, Delta as _Delta, Finish as _Finish, Linear as _Linear
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +70,10 @@ class DecodeProgram:
     """
 
     def __init__(self, model: torch.nn.Module, layers: AttentionLayers, max_rows: int,
-                 owner: torch.nn.Module | None = None) -> None:
+                 owner: torch.nn.Module | None = None, lora=None) -> None:
         self.model = model
+        self.lora = lora  # the LoRA manager whose slots the delta ops run, or None (base steps only)
+        self.num_lora_runs = 0  # steps with adapter rows replayed
         self.owner = model if owner is None else owner
         self.attention_layers = layers
         self.kv_caches = layers.kv_caches
@@ -76,6 +86,9 @@ class DecodeProgram:
         self._failures = self._retry_in = 0
         self._ops: list = []
         self._head_op = -1  # index of the LM head's GEMM in _ops (skipped when no row is sampled)
+        self._lora_ops: list = []  # _ops with the LoRA delta ops (a step with adapter rows)
+        self._lora_head_op = -1
+        self._lora_checks: list = []  # (layer, its manager slot): its ``lora`` must be None or that slot
         self._groups: list = []
         self.logits_capacity = 0
         self._rows, self._sampled = ctypes.c_int(0), ctypes.c_int(0)
@@ -107,6 +120,11 @@ class DecodeProgram:
             self.capacity = 0  # the next step records again
 
     # -- per step ----------------------------------------------------------------------------------
+    @property
+    def serves_lora(self) -> bool:
+        """Whether steps with adapter rows may run here (the model runner sets their plan first)."""
+        return self.lora is not None
+
     def accepts(self, scheduled) -> bool:
         """Steps whose every sequence takes the native attention (decodes, verification, short prompts)."""
         return all(item.num_new_tokens <= cpu_attention.MAX_Q for item in scheduled)
@@ -123,6 +141,9 @@ class DecodeProgram:
         if native is None or meta.layers.kv_caches is not self.kv_caches or rows > self.max_rows or rows == 0:
             return None
         if not set(step.hidden_layers) <= set(self.capture):
+            return None
+        plan = None if self.lora is None else self.lora.plan
+        if plan is not None and plan.num_tokens != rows:
             return None
         if rows > self.capacity or sampled > self.logits_capacity or not self._valid():
             if self._retry_in:  # the last recording failed: eager steps until the next try
@@ -155,13 +176,15 @@ class DecodeProgram:
         self._max_q.value = step_args.max_q
         gate_up = self._gate_up[:rows]
         self._act[:] = (gate_up[:, : self.intermediate], gate_up[:, self.intermediate :])
-        for i, (fn, args) in enumerate(self._ops):
-            if i == self._head_op and not sampled:  # no sampled row: no LM head (its gather, if any, still runs)
+        ops, head_op = (self._ops, self._head_op) if plan is None else (self._lora_ops, self._lora_head_op)
+        for i, (fn, args) in enumerate(ops):
+            if i == head_op and not sampled:  # no sampled row: no LM head (its gather, if any, still runs)
                 continue
             rc = fn(*args)
             if rc:  # the kernels return nonzero when they cannot allocate scratch or meet a slot past the pool
                 raise RuntimeError(f"native decode program: {getattr(fn, '__name__', fn)} returned {rc}")
         self.num_runs += 1
+        self.num_lora_runs += plan is not None
         for i in step.hidden_layers:  # copies: the buffers are the next step's
             step.hidden[i] = self._caps[i][:rows].clone()
         return self._logits[:sampled]
@@ -179,6 +202,10 @@ class DecodeProgram:
                 return False
         for obj, attr, value in self._scalars:
             if getattr(obj, attr, None) != value:
+                return False
+        for layer, slot in self._lora_checks:
+            lora = getattr(layer, "lora", None)
+            if lora is not None and lora is not slot:
                 return False
         for group, pack in self._groups:
             if not group.usable() or group.pack is not pack:
@@ -200,7 +227,7 @@ class DecodeProgram:
             except Exception as e:  # noqa: BLE001 - out of memory, a packing error: the eager path serves
                 why = f"recording failed: {type(e).__name__}: {e}"
         if why:
-            self._ops = []
+            self._ops, self._lora_ops, self._lora_checks = [], [], []
             self._keep = self._same_objects = self._same_tensors = self._groups = []
             self._x = self._r = self._h = self._qkv = self._a = self._o = self._gate_up = self._m = self._logits = None
             self.capacity = self.logits_capacity = 0
@@ -243,22 +270,38 @@ class DecodeProgram:
         seen += [_seen(base.layers._modules, k) for k in base.layers._modules]
         scalars = [(model.config, "num_hidden_layers", num_hidden)]
         groups, keep = [], []  # keep: every tensor and pack whose address a call holds
+        lora_checks, deltas = [], set()  # deltas: ids of the LoRA delta ops in ``ops``
+        manager = self.lora
+
+        def delta_op(modules, x: torch.Tensor, ys: list[torch.Tensor]) -> list:
+            # the LoRA deltas of ``modules`` (one input ``x``, outputs ``ys``): one op, in the LoRA list only
+            slots = [manager.slot_of(m) for m in modules] if manager is not None else []
+            targets = [(slot, y) for slot, y in zip(slots, ys) if slot is not None]
+            if not targets:
+                return []
+            op = (_Delta(manager, x, targets, self._rows), ())
+            deltas.add(id(op))
+            return [op]
 
         def linear_ops(module: torch.nn.Module, x: torch.Tensor, x_stride: int, y: torch.Tensor) -> list:
-            # a projection's GEMM into ``y``, then (a tensor-parallel shard's row-parallel layer) its all-reduce
+            # a projection's GEMM into ``y`` and its LoRA deltas, then (a tensor-parallel shard's row-parallel
+            # layer) its all-reduce; the deltas go on the shard's partial sums, as the slot does in its forward
             base = linear_of(module)
             ops = [gemm_op(*pack_of(base), x, x_stride, y)]
+            ops += delta_op([base], x[:, : base.in_features], [y])
             if base is not module:
                 seen.append(_seen(module._modules, "base"))
                 ops.append((_Finish(module, y, self._rows), ()))
             return ops
 
         def no_slot(*modules: torch.nn.Module) -> None:
-            # the program's GEMMs add no LoRA deltas: a layer with a slot set runs eagerly (checked per replay)
+            # the delta ops run the manager's slots: a layer with another slot set runs eagerly (checked per replay)
             for module in modules:
-                if getattr(module, "lora", None) is not None:
-                    raise _Unfit("a LoRA slot is set on a linear layer")
-                scalars.append((module, "lora", None))
+                allowed = None if manager is None else manager.slot_of(module)
+                current = getattr(module, "lora", None)
+                if current is not None and current is not allowed:
+                    raise _Unfit("a LoRA slot the program does not know is set on a linear layer")
+                lora_checks.append((module, allowed))
 
         def pack_of(module: torch.nn.Linear):
             # a single projection's current pack (packed again if its weight changed), as its forward would
@@ -355,6 +398,8 @@ class DecodeProgram:
             if _shape(qkv_pack) != (qkv_w, hidden):
                 raise _Unfit("decoder layers of different projection widths")
             ops.append(gemm_op(qkv_pack, qkv_bias, Hn, hidden, QKVb))
+            ops += delta_op([linear_of(getattr(attn, n)) for n in QKV], Hn,
+                            [QKVb[:, :q_w], QKVb[:, q_w : q_w + k_w], QKVb[:, q_w + k_w :]])
             ops.append((norms.hfp_rope, (
                 QKVb.data_ptr(), qkv_w, H, QKVb.data_ptr() + q_w * elem, qkv_w, KVH, self._cos, self._sin, D,
                 self._rows, D, dt, threads,
@@ -383,13 +428,14 @@ class DecodeProgram:
             if _shape(gu_pack) != (2 * inter, hidden):
                 raise _Unfit("decoder layers of different MLP widths")
             ops.append(gemm_op(gu_pack, gu_bias, Hn, hidden, GU))
+            ops += delta_op([linear_of(getattr(mlp, n)) for n in GATE_UP], Hn, [GU[:, :inter], GU[:, inter:]])
             ops.append((self._silu_mul, ()))
             ops.extend(linear_ops(mlp.down_proj, GU, 2 * inter, M))
         ops.append((self._final_norm, ()))
         if len(layers) - 1 in caps:  # the final norm's pass left the last layer's output in X
             ops.append((_Copy(X, caps[len(layers) - 1], self._rows), ()))
-        head_op = len(ops)
-        ops.append(gemm_op(*pack_of(head), Hn, hidden, local, rows=self._sampled))
+        head_gemm = gemm_op(*pack_of(head), Hn, hidden, local, rows=self._sampled)
+        ops.append(head_gemm)
         if head is not model.lm_head:  # every rank's rows of the logits to rank 0
             seen.append(_seen(model.lm_head._modules, "base"))
             ops.append((_Finish(model.lm_head, local, self._sampled, out=logits), ()))
@@ -397,8 +443,12 @@ class DecodeProgram:
                           "qweight" if type(embed) is QuantEmbedding else "weight"))
         # -- all built: install (the KV pools stay referenced by the engine; the buffers and packs by the program)
         self._x, self._r, self._h, self._qkv, self._a, self._o, self._gate_up, self._m = X, R, Hn, QKVb, A, O, GU, M
-        self._logits, self._head_op, self._caps = logits, head_op, caps
-        self._ops, self._scalars, self._groups, self._keep = ops, scalars, groups, keep
+        base_ops = [op for op in ops if id(op) not in deltas]
+        self._logits, self._caps = logits, caps
+        self._head_op = next(i for i, op in enumerate(base_ops) if op is head_gemm)
+        self._lora_head_op = next(i for i, op in enumerate(ops) if op is head_gemm)
+        self._ops, self._lora_ops, self._lora_checks = base_ops, ops if deltas else base_ops, lora_checks
+        self._scalars, self._groups, self._keep = scalars, groups, keep
         self._same_objects = [entry[:3] for entry in seen if entry[4] is None]
         self._same_tensors = [entry for entry in seen if entry[4] is not None]
         self._modules = skipped_modules(model)
@@ -422,50 +472,6 @@ class DecodeProgram:
 
 def _shape(pack) -> tuple[int, int]:
     return (pack.out_features, pack.in_features) if type(pack) is QuantLinear else tuple(pack.source.shape)
-
-
-class _Linear:
-    """A packed linear the program runs through its own ``linear`` (packings other than the native GEMM):
-    ``y[:rows] = pack.linear(x[:rows, :in], bias)``, the call the eager forward makes, into the step buffer."""
-
-    __name__ = "linear"
-
-    def __init__(self, pack, bias, x: torch.Tensor, y: torch.Tensor, rows: ctypes.c_int) -> None:
-        self.pack, self.bias, self.x, self.y, self.rows = pack, bias, x, y, rows
-        self.in_features = pack.source.shape[1]  # every packing keeps the weight it packed
-
-    def __call__(self) -> None:
-        n = self.rows.value
-        self.y[:n].copy_(self.pack.linear(self.x[:n, : self.in_features], self.bias))
-
-
-class _Copy:
-    """``dst[:rows] = src[:rows]``: a decoder layer's output copied out of the residual buffer."""
-
-    __name__ = "copy"
-
-    def __init__(self, src: torch.Tensor, dst: torch.Tensor, rows: ctypes.c_int) -> None:
-        self.src, self.dst, self.rows = src, dst, rows
-
-    def __call__(self) -> None:
-        n = self.rows.value
-        self.dst[:n].copy_(self.src[:n])
-
-
-class _Finish:
-    """A tensor-parallel layer's collective on its step buffer: ``layer.finish(y[:rows])`` (the all-reduce of a
-    row-parallel projection, in place; the LM head's gather, into ``out`` on rank 0), as its forward runs it."""
-
-    __name__ = "finish"
-
-    def __init__(self, layer: ParallelLinear, y: torch.Tensor, rows: ctypes.c_int, out: torch.Tensor | None = None) -> None:
-        self.layer, self.y, self.rows, self.out = layer, y, rows, out
-
-    def __call__(self) -> None:
-        n = self.rows.value
-        done = self.layer.finish(self.y[:n])
-        if self.out is not None and self.layer.rank == 0:
-            self.out[:n].copy_(done)
 
 
 class _Unfit(Exception):

@@ -186,7 +186,7 @@ def maybe_fuse(model: torch.nn.Module, cfg: EngineConfig, device: torch.device, 
 
 
 def make_fast_runner(model, cfg: EngineConfig, pool: KVPool, layers: AttentionLayers, max_model_len: int, packed,
-                     fused, block_tables: BlockTables, agree=None):
+                     fused, block_tables: BlockTables, agree=None, lora=None):
     """The one fast step runner for this configuration and device, or None (every step eager): decode buckets
     (CUDA graphs, inductor, static; their attention runs the engine's backend) or, on CPU, the native decode
     program where the model fits it. ValueError naming the reason where ``decode_runner="native"`` (or
@@ -199,13 +199,14 @@ def make_fast_runner(model, cfg: EngineConfig, pool: KVPool, layers: AttentionLa
         spec = cfg.speculative_config
         max_q = 1 + (spec.num_speculative_tokens if spec is not None else 0)
         return DecodeBuckets(model, layers, pool.block_size, mode, cfg.decode_buckets, max_q, max_model_len,
-                             block_tables, agree)
+                             block_tables, agree, lora)
     why = why_not(model, fused, packed)
     if not why and not layers.backend.native_max_q:  # the backend's choice, made once: "cpu" on a pool it reads
         why = f"it needs the native CPU attention (backend {backend!r}, {cpu_attention.unavailable_reason(pool.cache_dtype) or 'pool layout'})"
     program = None
     if not why:
-        program = DecodeProgram(model, layers, min(cfg.max_num_seqs * cpu_attention.MAX_Q, cfg.max_num_batched_tokens))
+        program = DecodeProgram(model, layers, min(cfg.max_num_seqs * cpu_attention.MAX_Q, cfg.max_num_batched_tokens),
+                                lora=lora)
         if not hooks(skipped_modules(model)):  # a module hook is passing (steps run eagerly while it is there); else record now
             why = program.prepare()
     if why:

@@ -66,6 +66,7 @@ class LoRAManager:
         self.plan: StepPlan | None = None
         self._layers: dict[str, torch.nn.Module] = {}  # the engine layers whose ``lora`` a step sets (bind)
         self._set: list[torch.nn.Module] = []  # the layers with their slot set for this step
+        self._slot_by_layer: dict[int, LoRASlot] = {}
 
     # -- adapters -------------------------------------------------------------------------------------
     def add(self, request: LoRARequest) -> bool:
@@ -160,6 +161,13 @@ class LoRAManager:
     def bind(self, layers: dict[str, torch.nn.Module]) -> None:
         """The layer objects whose ``lora`` :meth:`set_step` sets (:func:`~hf_paged.lora.attach.attach_slots`)."""
         self._layers = dict(layers)
+        self._slot_by_layer = {id(layer): self.slots[name] for name, layer in self._layers.items() if name in self.slots}
+
+    def slot_of(self, layer: torch.nn.Module) -> LoRASlot | None:
+        """The slot a step sets on the bound layer object ``layer`` (None: not one this manager adapts); the
+        native decode program runs it from its delta ops."""
+        slot = self._slot_by_layer.get(id(layer))
+        return slot if slot is not None and any(m is layer for m in self._layers.values()) else None
 
     def _make_resident(self, lora_id: int, needed: set[int]) -> int:
         if lora_id in self._resident:

@@ -3,9 +3,18 @@
 A slot is the callable an engine linear calls after its own matmul: ``y = slot(x, y)`` adds, to each row
 (token) of the step, the delta of that row's adapter, ``scale * (x @ A.T) @ B.T``, and nothing to base rows
 (in place: ``y`` is the layer's fresh output, or a column view of its group GEMM's output).
-Rows are grouped by adapter (the step's :class:`StepPlan`) and each group costs one pair of matmuls
-(punica's segmented GEMM in plain torch); rows of one sequence are contiguous, so a group that is one run
-of rows is a view, not a gather.
+Rows are grouped by adapter (the step's :class:`StepPlan`, made once per step) in one of three layouts:
+
+- ``"runs"``: a few long runs of rows (prefill chunks, batch 1): each run's delta is computed and added on views
+  of ``x`` and ``y`` (no gather, no scatter);
+- ``"padded"``: many short runs (decode steps mixing adapters): the rows are gathered once, sorted by slot and
+  padded to ``[slots, longest segment, in]``, and every slot's delta is two batched matmuls (``bmm`` over the
+  stacked A and B, zero past each adapter's rank) and one scale per row (0 on padding), scattered back in one
+  ``index_add_``: five torch calls per linear whatever the number of adapters;
+- ``"segments"``: the rows gathered once, a pair of matmuls per slot (when padding would waste too much).
+
+:meth:`StepPlan.inputs` and :meth:`LoRASlot.add_delta` split the gather from the rest, so a caller whose
+linears share an input (the native decode program's q/k/v and gate/up groups) gathers it once.
 """
 
 from __future__ import annotations
@@ -17,19 +26,29 @@ import torch
 
 from hf_paged.lora.loading import LoRALayerWeights
 
+MAX_RUNS = 8  # up to this many runs of adapter rows may be computed in place ...
+RUN_ROWS = 16  # ... when they are this long on average (prefill chunks); else the rows are gathered
+
 
 @dataclass
 class StepPlan:
-    """The step's adapter rows, grouped by adapter slot (base rows are in no group).
+    """The step's adapter rows grouped by adapter slot (base rows are in no group); see the module docstring.
 
-    ``rows`` lists the adapter rows sorted by slot (stable: batch order within a slot), as a slice where that is
-    one run of rows; ``segments`` are the slots' runs within it. A slot gathers the rows once, runs one pair of
-    matmuls per segment, and adds the deltas back in one scatter.
+    ``segments`` are ``(slot, start, end)``: runs of the batch itself (``"runs"``), or of the gathered rows
+    ``rows`` (sorted by slot, batch order within a slot). ``"padded"`` adds ``slots`` (the step's distinct
+    slots, sorted), ``length`` (the longest segment), ``index`` (``[len(slots) * length]`` batch rows; a
+    padding position repeats its segment's first row) and ``valid`` (1.0 per real position, 0.0 on padding).
     """
 
     num_tokens: int
-    rows: slice | torch.Tensor | None  # None: ``segments`` are runs of the batch itself (no gather, no scatter)
-    segments: list[tuple[int, int, int]]  # (slot index, start, end) within ``rows``, or within the batch
+    layout: str  # "runs", "padded" or "segments"
+    segments: list[tuple[int, int, int]]
+    rows: torch.Tensor | None = None  # "segments": the gathered batch rows
+    slots: list[int] = field(default_factory=list)
+    length: int = 0
+    index: torch.Tensor | None = None
+    valid: list[float] = field(default_factory=list)
+    _scales: dict = field(default_factory=dict, repr=False)
     # the thread running the step's forward: engines on one model share its layer objects, and another engine's
     # forward in another thread must not pick up this step's slots
     thread: int = field(default_factory=threading.get_ident)
@@ -38,16 +57,29 @@ class StepPlan:
     def num_rows(self) -> int:
         return self.segments[-1][2]
 
+    def inputs(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """What :meth:`LoRASlot.add_delta` reads for the step's rows of ``x2`` ``[num_tokens, in]``: ``x2``
+        itself (runs), its gathered rows (segments) or ``[slots, length, in]`` (padded), in ``dtype``."""
+        if self.layout == "runs":
+            return x2.to(dtype)
+        # index_select gathers in one copy (advanced indexing is far slower on CPU)
+        rows = x2.index_select(0, self.index if self.layout == "padded" else self.rows).to(dtype)
+        return rows.view(len(self.slots), self.length, -1) if self.layout == "padded" else rows
 
-MAX_RUNS = 8  # up to this many runs of adapter rows (prefill chunks), each run is a segment in place
+    def row_scales(self, scales: list[float], dtype: torch.dtype) -> torch.Tensor:
+        """``[slots, length, 1]``: each padded position's adapter scale for a linear whose slots have ``scales``
+        (0 on padding), made once per step for each distinct set of scales."""
+        key = (dtype, tuple(scales[s] for s in self.slots))
+        t = self._scales.get(key)
+        if t is None:
+            per = [key[1][i // self.length] * v for i, v in enumerate(self.valid)]
+            t = self._scales[key] = torch.tensor(per, dtype=dtype, device=self.index.device).view(
+                len(self.slots), self.length, 1)
+        return t
 
 
 def plan_step(token_slots: list[int], device: torch.device) -> StepPlan | None:
-    """Group rows by slot (``-1``: base). None when no row has an adapter: the slots then cost nothing.
-
-    A sequence's rows are contiguous, so a step of a few long runs (prefill chunks) computes each run in place;
-    a step of many short ones (decodes) gathers the rows sorted by slot and scatters the deltas back once.
-    """
+    """Group rows by slot (``-1``: base). None when no row has an adapter: the slots then cost nothing."""
     runs: list[tuple[int, int, int]] = []
     for row, slot in enumerate(token_slots):
         if slot < 0:
@@ -58,11 +90,11 @@ def plan_step(token_slots: list[int], device: torch.device) -> StepPlan | None:
             runs.append((slot, row, row + 1))
     if not runs:
         return None
-    if len(runs) <= MAX_RUNS:
-        return StepPlan(len(token_slots), None, runs)
+    num_tokens = len(token_slots)
+    adapter_rows = sum(end - start for _, start, end in runs)
+    if len(runs) == 1 or (len(runs) <= MAX_RUNS and adapter_rows >= RUN_ROWS * len(runs)):
+        return StepPlan(num_tokens, "runs", runs)
     order = sorted((slot, row) for row, slot in enumerate(token_slots) if slot >= 0)
-    if not order:
-        return None
     segments: list[tuple[int, int, int]] = []
     for i, (slot, _) in enumerate(order):
         if segments and segments[-1][0] == slot:
@@ -70,17 +102,22 @@ def plan_step(token_slots: list[int], device: torch.device) -> StepPlan | None:
         else:
             segments.append((slot, i, i + 1))
     members = [row for _, row in order]
-    if members[-1] - members[0] + 1 == len(members) and members == list(range(members[0], members[-1] + 1)):
-        rows: slice | torch.Tensor = slice(members[0], members[-1] + 1)
-    else:
-        rows = torch.tensor(members, dtype=torch.long, device=device)
-    return StepPlan(len(token_slots), rows, segments)
+    length = max(end - start for _, start, end in segments)
+    if len(segments) * length > 2 * adapter_rows + 8:  # padding would cost more than the rows themselves
+        return StepPlan(num_tokens, "segments", segments, rows=torch.tensor(members, dtype=torch.long, device=device))
+    index, valid = [], []
+    for _, start, end in segments:
+        pad = length - (end - start)
+        index += members[start:end] + [members[start]] * pad
+        valid += [1.0] * (end - start) + [0.0] * pad
+    return StepPlan(num_tokens, "padded", segments, slots=[s for s, _, _ in segments], length=length,
+                    index=torch.tensor(index, dtype=torch.long, device=device), valid=valid)
 
 
 class LoRASlot:
     """The resident adapters of one linear: ``A [max_loras, max_rank, in]`` and ``B [max_loras, out, max_rank]``
-    (zero past each adapter's rank), each slot's rank and scale. Tensors are made when an adapter of this
-    linear first becomes resident.
+    (zero past each adapter's rank, and all zero in a slot whose adapter leaves this linear alone), each slot's
+    rank and scale. Tensors are made when an adapter of this linear first becomes resident.
 
     Args:
         plan_source: An object whose ``plan`` attribute is the current :class:`StepPlan` or None (the manager).
@@ -102,8 +139,16 @@ class LoRASlot:
 
     def set(self, slot: int, weights: LoRALayerWeights | None) -> None:
         """Make ``slot`` hold ``weights`` for this linear (None: the slot's adapter does not adapt it)."""
+        # the stacked tensors are made inside a step (inference mode) and changed outside it too (remove_lora)
+        with torch.inference_mode():
+            self._set(slot, weights)
+
+    def _set(self, slot: int, weights: LoRALayerWeights | None) -> None:
         if weights is None:
             self.ranks[slot], self.scales[slot] = 0, 0.0
+            if self.a is not None:  # zeros: the padded layout runs every step's slots through one bmm
+                self.a[slot].zero_()
+                self.b[slot].zero_()
             return
         if self.a is None:
             self.a = torch.zeros(self.max_loras, self.max_rank, self.in_features, device=self.device, dtype=self.dtype)
@@ -115,47 +160,52 @@ class LoRASlot:
         self.b[slot, :, :r].copy_(weights.b)
         self.ranks[slot], self.scales[slot] = r, weights.scale
 
+    def active(self, plan: StepPlan | None) -> bool:
+        """Whether this step adds anything here: a plan, and one of its adapters adapts this linear."""
+        return (plan is not None and self.a is not None and plan.thread == threading.get_ident()
+                and any(self.ranks[slot] for slot, _, _ in plan.segments))
+
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` ``[..., out]`` plus each row's adapter delta from ``x`` ``[..., in]`` (the same rows)."""
         plan: StepPlan | None = self._source.plan
-        if plan is None or self.a is None or plan.thread != threading.get_ident():
+        if not self.active(plan):
             return y
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] != plan.num_tokens:
             return y  # a forward over other rows (a draft model's, a probe): it runs the base model
-        if not any(self.ranks[slot] for slot, _, _ in plan.segments):
-            return y  # none of this step's adapters adapts this layer
-        rows = plan.rows
-        if rows is None:
-            return self._runs(x2, y, plan.segments)
-        # a slice is a view; index_select gathers in one copy (advanced indexing is far slower on CPU)
-        xs = (x2[rows] if isinstance(rows, slice) else x2.index_select(0, rows)).to(self.dtype)
+        out = y.reshape(-1, self.out_features)
+        if torch.is_grad_enabled() and y.requires_grad:  # else y is the layer's fresh output: added in place
+            out = out.clone()
+        self.add_delta(plan, plan.inputs(x2, self.dtype), out)
+        return out.view(y.shape)
+
+    def add_delta(self, plan: StepPlan, xs: torch.Tensor, out: torch.Tensor) -> None:
+        """Add the step's deltas into ``out`` ``[num_tokens, out]`` (in place; a column view is fine), from
+        ``xs = plan.inputs(x2, self.dtype)``. The caller checked :meth:`active`."""
+        if plan.layout == "runs":
+            for slot, start, end in plan.segments:
+                r = self.ranks[slot]
+                if r:  # PEFT's order: (B(Ax)) * scale, then added
+                    delta = torch.mm(torch.mm(xs[start:end], self.a[slot, :r].t()), self.b[slot, :, :r].t())
+                    out[start:end] += delta.mul_(self.scales[slot]).to(out.dtype)
+            return
+        if plan.layout == "padded":
+            slots = plan.slots
+            if slots == list(range(self.max_loras)):  # every slot in use: the stacked tensors themselves
+                a, b = self.a, self.b
+            else:
+                which = torch.tensor(slots, device=self.a.device)
+                a, b = self.a.index_select(0, which), self.b.index_select(0, which)
+            delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2))
+            delta.mul_(plan.row_scales(self.scales, delta.dtype))
+            out.index_add_(0, plan.index, delta.view(-1, self.out_features).to(out.dtype))
+            return
         skipped = any(not self.ranks[slot] for slot, _, _ in plan.segments)
         delta = (torch.zeros if skipped else torch.empty)(plan.num_rows, self.out_features, device=xs.device,
                                                           dtype=self.dtype)
         for slot, start, end in plan.segments:
             r = self.ranks[slot]
-            if r:  # PEFT's order: (B(Ax)) * scale, then added
+            if r:
                 torch.mm(torch.mm(xs[start:end], self.a[slot, :r].t()), self.b[slot, :, :r].t(), out=delta[start:end])
                 delta[start:end].mul_(self.scales[slot])
-        out = y.reshape(-1, self.out_features)
-        if torch.is_grad_enabled() and y.requires_grad:  # else y is the layer's fresh output: added in place
-            out = out.clone()
-        delta = delta.to(out.dtype)
-        if isinstance(rows, slice):
-            out[rows] += delta
-        else:
-            out.index_add_(0, rows, delta)
-        return out.view(y.shape)
-
-    def _runs(self, x2: torch.Tensor, y: torch.Tensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
-        """The deltas of a few runs of rows, each computed and added in place (views: no gather, no scatter)."""
-        out = y.reshape(-1, self.out_features)
-        if torch.is_grad_enabled() and y.requires_grad:
-            out = out.clone()
-        for slot, start, end in runs:
-            r = self.ranks[slot]
-            if r:
-                delta = torch.mm(torch.mm(x2[start:end].to(self.dtype), self.a[slot, :r].t()), self.b[slot, :, :r].t())
-                out[start:end] += delta.mul_(self.scales[slot]).to(out.dtype)
-        return out.view(y.shape)
+        out.index_add_(0, plan.rows, delta.to(out.dtype))

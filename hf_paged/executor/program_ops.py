@@ -1,0 +1,76 @@
+"""The Python ops of the native decode program's call list (:mod:`hf_paged.executor.native_program`): steps that are
+not one C call (another packing's ``linear``, a copy, a tensor-parallel collective, the LoRA deltas). Each is a
+callable of no arguments reading the step's row count from a shared ``ctypes`` cell."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from hf_paged.model.layers.parallel import ParallelLinear
+
+
+class Linear:
+    """A packed linear the program runs through its own ``linear`` (packings other than the native GEMM):
+    ``y[:rows] = pack.linear(x[:rows, :in], bias)``, the call the eager forward makes, into the step buffer."""
+
+    __name__ = "linear"
+
+    def __init__(self, pack, bias, x: torch.Tensor, y: torch.Tensor, rows: ctypes.c_int) -> None:
+        self.pack, self.bias, self.x, self.y, self.rows = pack, bias, x, y, rows
+        self.in_features = pack.source.shape[1]  # every packing keeps the weight it packed
+
+    def __call__(self) -> None:
+        n = self.rows.value
+        self.y[:n].copy_(self.pack.linear(self.x[:n, : self.in_features], self.bias))
+
+
+class Delta:
+    """The LoRA deltas of linears sharing the input ``x`` (a group's members, or one projection): with the step's
+    plan set, ``x[:rows]`` gathered once as the plan lays it out, then each member slot's deltas added into its
+    output buffer ``y[:rows]`` (a column view of the group's output), as the slot adds them in the eager forward."""
+
+    __name__ = "lora_delta"
+
+    def __init__(self, manager, x: torch.Tensor, targets: list, rows: ctypes.c_int) -> None:
+        self.manager, self.x, self.targets, self.rows = manager, x, targets, rows
+
+    def __call__(self) -> None:
+        plan = self.manager.plan
+        active = [(slot, y) for slot, y in self.targets if slot.active(plan)]
+        if not active:
+            return
+        n = self.rows.value
+        xs = plan.inputs(self.x[:n], active[0][0].dtype)
+        for slot, y in active:
+            slot.add_delta(plan, xs if slot.dtype == active[0][0].dtype else plan.inputs(self.x[:n], slot.dtype), y[:n])
+
+
+class Copy:
+    """``dst[:rows] = src[:rows]``: a decoder layer's output copied out of the residual buffer."""
+
+    __name__ = "copy"
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, rows: ctypes.c_int) -> None:
+        self.src, self.dst, self.rows = src, dst, rows
+
+    def __call__(self) -> None:
+        n = self.rows.value
+        self.dst[:n].copy_(self.src[:n])
+
+
+class Finish:
+    """A tensor-parallel layer's collective on its step buffer: ``layer.finish(y[:rows])`` (the all-reduce of a
+    row-parallel projection, in place; the LM head's gather, into ``out`` on rank 0), as its forward runs it."""
+
+    __name__ = "finish"
+
+    def __init__(self, layer: ParallelLinear, y: torch.Tensor, rows: ctypes.c_int, out: torch.Tensor | None = None) -> None:
+        self.layer, self.y, self.rows, self.out = layer, y, rows, out
+
+    def __call__(self) -> None:
+        n = self.rows.value
+        done = self.layer.finish(self.y[:n])
+        if self.out is not None and self.layer.rank == 0:
+            self.out[:n].copy_(done)
