@@ -106,9 +106,10 @@ def _rows8(native, layer):
 
 @pytest.mark.parametrize("lib", Q8_LIBS)
 @pytest.mark.parametrize("n", [37, 64])
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_rows8_kernel_equals_rounded_x_times_dequantized_w_for_every_batch(fmt, n, lib):
-    """The interleaved int8 kernel (``csrc/quant_q8_rows8.h``) computes quantize_activations(x) @ dequant(W)^T
+    """The interleaved int8 kernel (``csrc/quant_q8_rows8.h``: int16 sums for the 4-bit formats, signed
+    VPMADDUBSW pairs for Q8_0 and int8 with its row scales) computes quantize_activations(x) @ dequant(W)^T
     (+ bias) up to fp32 rounding, for every row tail of its 4-row tiles and a last group of fewer than 8 output
     rows (37); and each row's result is the same whatever rows share its batch."""
     native = _load(Q8_LIBS, lib)
@@ -116,7 +117,7 @@ def test_rows8_kernel_equals_rounded_x_times_dequantized_w_for_every_batch(fmt, 
         pytest.skip("build without AVX2")
     layer, ref = _case(fmt, n=n, seed=n)
     copy = _rows8(native, layer)
-    assert native.hfq8i_bytes(FORMATS["q8_0"], n, 96) == -1  # Q4 formats only: q8_0 keeps hfq8_linear
+    assert native.hfq8i_bytes(FORMATS[fmt], n, 95) == -1  # K must be a multiple of 32
     x = torch.randn(41, 96, generator=torch.Generator().manual_seed(7))
     full = layer._call(native.hfq8i_linear, x, weight=copy)
     want = F.linear(quantize_activations(x).double(), ref, layer.bias.double())
@@ -124,7 +125,8 @@ def test_rows8_kernel_equals_rounded_x_times_dequantized_w_for_every_batch(fmt, 
     for rows in (1, 2, 3, 5, 16, 17):
         assert torch.equal(full[:rows], layer._call(native.hfq8i_linear, x[:rows], weight=copy))
     assert torch.equal(full[6:9], layer._call(native.hfq8i_linear, x[6:9], weight=copy))
-    grouped = QuantLinear(96, 2 * n, layer.fmt, torch.cat([layer.qweight, layer.qweight]), None,
+    scales = None if layer.scales is None else torch.cat([layer.scales, layer.scales])
+    grouped = QuantLinear(96, 2 * n, layer.fmt, torch.cat([layer.qweight, layer.qweight]), scales,
                           torch.cat([layer.bias, layer.bias]).detach(), "int8")  # as the program's q/k/v groups
     both = grouped._call(native.hfq8i_linear, x, weight=_rows8(native, grouped))
     assert torch.equal(both[:, :n], full) and torch.equal(both[:, n:], full)
@@ -142,7 +144,7 @@ def test_layer_picks_one_int8_kernel_for_every_batch_and_follows_weight_changes(
     got = {}
     for layout in ("rows8", "blocks"):
         monkeypatch.setenv(ql.ROWS8_ENV, layout)
-        monkeypatch.setattr(ql, "_rows8", None)
+        monkeypatch.setattr(ql, "_rows8", {})
         fn, _, weight = layer.kernel()
         assert fn == (native.hfq8i_linear if layout == "rows8" else native.hfq8_linear)
         assert weight is (layer.qweight if layout == "blocks" else layer._rows8_copy())
@@ -150,7 +152,7 @@ def test_layer_picks_one_int8_kernel_for_every_batch_and_follows_weight_changes(
         assert torch.equal(got[layout][2:3], layer(x[2:3]))
     torch.testing.assert_close(got["rows8"], got["blocks"], atol=1e-4, rtol=1e-5)
     monkeypatch.setenv(ql.ROWS8_ENV, "rows8")
-    monkeypatch.setattr(ql, "_rows8", None)
+    monkeypatch.setattr(ql, "_rows8", {})
     before = layer(x)
     other, _ = _case("q4_1", n=40, k=96, seed=5)
     with torch.no_grad():
@@ -160,7 +162,7 @@ def test_layer_picks_one_int8_kernel_for_every_batch_and_follows_weight_changes(
     assert torch.equal(layer(x), other(x))
     assert not torch.equal(layer(x), before)
     monkeypatch.setenv(ql.ROWS8_ENV, "fastest")
-    monkeypatch.setattr(ql, "_rows8", None)
+    monkeypatch.setattr(ql, "_rows8", {})
     with pytest.raises(ValueError, match="HF_PAGED_Q8_LAYOUT must be 'rows8' or 'blocks'"):
         layer(x)
 

@@ -193,47 +193,50 @@ def describe_modes() -> dict[str, str]:
     return out
 
 
-ROWS8_FORMATS = ("q4_0", "q4_1")  # formats with an interleaved copy for the rows8 int8 kernel (csrc/quant_q8_rows8.h)
-ROWS8_ENV = "HF_PAGED_Q8_LAYOUT"  # "rows8" / "blocks": force the int8 kernel of Q4 weights (default: timed)
-_rows8: bool | None = None
+ROWS8_ENV = "HF_PAGED_Q8_LAYOUT"  # "rows8" / "blocks": force the int8-mode kernel (default: timed per weight family)
+# the formats whose int8-mode kernel is chosen together, and the format timed for each family
+_FAMILIES = {"q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0", "int8": "q8_0"}
+_rows8: dict[str, bool] = {}
 
 
-def rows8_chosen() -> bool:
-    """Whether int8-mode linears on Q4_0/Q4_1 weights run the rows8 kernel on an interleaved copy of the weight
-    (``csrc/quant_q8_rows8.h``) rather than ``hfq8_linear`` on the GGUF blocks.
+def rows8_chosen(fmt: str = "q4_1") -> bool:
+    """Whether int8-mode linears of format ``fmt`` run the rows8 kernel on an interleaved copy of the weight
+    (``csrc/quant_q8_rows8.h``) rather than ``hfq8_linear`` on the stored blocks.
 
-    Decided once per process, for every batch size (so a row's result does not depend on the batch): by
-    ``HF_PAGED_Q8_LAYOUT`` if set, else by timing both kernels at one and at 32 rows on a default-model weight
-    (kept across runs in :mod:`hf_paged.kernels.cpu.tuning_store`). Without VNNI the rows8 kernel was 2.2-3.7x
-    faster per call on a Zen 3 host; with VNNI or AMX the blocks kernel may win, hence the timing.
+    Decided once per process for each weight family (4-bit: Q4_0/Q4_1; 8-bit: Q8_0/int8), for every batch size
+    (so a row's result does not depend on the batch): by ``HF_PAGED_Q8_LAYOUT`` if set, else by timing both
+    kernels at one and at 32 rows on a default-model-sized weight of the family (kept across runs in
+    :mod:`hf_paged.kernels.cpu.tuning_store`). Without VNNI the rows8 kernel was 2.2-3.7x faster per call on
+    Q4_1 on a Zen 3 host; with VNNI or AMX the block kernel may win, hence the timing.
     """
-    global _rows8
-    if _rows8 is None:
+    family = _FAMILIES[fmt]
+    if family not in _rows8:
         forced = os.environ.get(ROWS8_ENV, "").strip().lower()
         if forced not in ("", "rows8", "blocks"):
             raise ValueError(f"{ROWS8_ENV} must be 'rows8' or 'blocks' (or unset: timed), got {forced!r}")
         lib = native_library("int8")
         if lib is None or not lib.hfq8i_available():
-            _rows8 = False
+            _rows8[family] = False
         elif forced:
-            _rows8 = forced == "rows8"
+            _rows8[family] = forced == "rows8"
         else:
-            _rows8 = _time_rows8(lib)
-    return _rows8
+            _rows8[family] = _time_rows8(lib, family)
+    return _rows8[family]
 
 
-def _time_rows8(lib: ctypes.CDLL, out_features: int = 960, in_features: int = 576) -> bool:
+def _time_rows8(lib: ctypes.CDLL, fmt: str, out_features: int = 960, in_features: int = 576) -> bool:
     from hf_paged.kernels.cpu import tuning_store
     from hf_paged.kernels.cpu.packed_linear import cold_bytes
 
-    key = f"q8-layout:q4_1:{out_features}x{in_features}"
+    key = f"q8-layout:{fmt}:{out_features}x{in_features}"
     timings = tuning_store.get(key)
     if timings is None or set(timings) != {"blocks", "rows8"}:
         g = torch.Generator().manual_seed(0)
-        layer = QuantLinear.from_weight(torch.randn(out_features, in_features, generator=g), None, "int4", "int8")
-        copies = max(4, min(64, -(-cold_bytes() // layer.qweight.numel())))  # weights from DRAM, as in a step
-        layers = [layer] + [QuantLinear(in_features, out_features, layer.fmt, layer.qweight.clone(), None, None, "int8")
-                            for _ in range(copies - 1)]
+        weight = torch.randn(out_features, in_features, generator=g)
+        _, qweight, _ = quantize(weight, fmt)
+        copies = max(4, min(64, -(-cold_bytes() // qweight.numel())))  # weights from DRAM, as in a step
+        layers = [QuantLinear(in_features, out_features, fmt, qweight.clone(), None, None, "int8")
+                  for _ in range(copies)]
         xs = [torch.randn(rows, in_features, generator=g) for rows in (1, 32)]
         timings = {}
         for name, fn in (("blocks", lib.hfq8_linear), ("rows8", lib.hfq8i_linear)):
@@ -248,7 +251,7 @@ def _time_rows8(lib: ctypes.CDLL, out_features: int = 960, in_features: int = 57
             timings[name] = best / len(layers)
         tuning_store.put(key, timings)
     chosen = timings["rows8"] < timings["blocks"]
-    logger.info("int8 kernel for Q4 weights: blocks %.0f us, rows8 %.0f us -> %s", timings["blocks"] * 1e6,
+    logger.info("int8 kernel for %s weights: blocks %.0f us, rows8 %.0f us -> %s", fmt, timings["blocks"] * 1e6,
                 timings["rows8"] * 1e6, "rows8" if chosen else "blocks")
     return chosen
 
@@ -318,12 +321,12 @@ class QuantLinear(torch.nn.Module):
 
     def kernel(self) -> tuple:
         """``(function, mode, weight)``: the C linear this layer's calls take (see :func:`kernel`; ``(None, None,
-        None)``: dequantize in torch) and the weight bytes it reads: in int8 mode a Q4_0/Q4_1 weight's interleaved
-        copy where :func:`rows8_chosen`, else ``qweight``."""
+        None)``: dequantize in torch) and the weight bytes it reads: in int8 mode the weight's interleaved copy
+        where :func:`rows8_chosen` for its format, else ``qweight``."""
         fn, mode = kernel(self.activations)
         if fn is None:
             return None, None, None
-        if mode == "int8" and self.fmt in ROWS8_FORMATS and rows8_chosen():
+        if mode == "int8" and rows8_chosen(self.fmt):
             return native_library("int8").hfq8i_linear, mode, self._rows8_copy()
         return fn, mode, self.qweight
 
@@ -331,7 +334,7 @@ class QuantLinear(torch.nn.Module):
 
     def _rows8_copy(self) -> torch.Tensor:
         """The interleaved copy of ``qweight`` for the rows8 kernel (made on first use; again if ``qweight`` is
-        replaced or changed in place). It costs 1.2x the Q4_1 bytes (1.33x Q4_0's) besides ``qweight``."""
+        replaced or changed in place). It costs about 1.2x ``qweight``'s bytes (1.33x for Q4_0) besides it."""
         w = self.qweight
         key = (id(w), w.data_ptr(), None if w.is_inference() else w._version)
         cached = self._rows8_cache

@@ -1,5 +1,5 @@
 /*
- * Int8 activations on Q4_0 / Q4_1 weights in an interleaved copy ("rows8"): the AVX2 kernel for CPUs without
+ * Int8 activations on quantized weights in an interleaved copy ("rows8"): the AVX2 kernel for CPUs without
  * VNNI (AMD Zen 2/3, Intel before Ice Lake). Included by quant_q8.c, whose activation rounding it shares.
  *
  * Why: quant_q8.c's kernel sums each (activation row, weight row, block) on its own and turns it into a float
@@ -11,22 +11,30 @@
  * conversion and two FMAs per 8 outputs: ~3x fewer operations per weight at one row, and the lanes are the
  * outputs (no horizontal sums).
  *
- * Layout, per group of 8 output rows g and block b (192 bytes, groups in order, blocks in order within a group):
- * 128 bytes of nibbles, then d[8] and m[8] as fp32 (exact copies of the fp16 values; Q4_0's m = -8 d, as
- * (q - 8) d = q d - 8 d). Byte 32 L + 4 j + c is byte 4 L + c of row j's GGUF block (low nibble: weight 4 L + c,
- * high nibble: weight 16 + 4 L + c). Rows past N are zero.
+ * Layout, per group of 8 output rows g and block b (groups in order, blocks in order within a group):
+ * - Q4_0/Q4_1 (192 bytes): 128 bytes of nibbles, then d[8] and m[8] as fp32 (exact copies of the fp16 values;
+ *   Q4_0's m = -8 d, as (q - 8) d = q d - 8 d). Byte 32 L + 4 j + c is byte 4 L + c of row j's GGUF block (low
+ *   nibble: weight 4 L + c, high nibble: weight 16 + 4 L + c).
+ * - Q8_0/INT8 (288 bytes): 256 bytes of int8 weights, byte 32 t + 4 j + c = row j's weight 4 t + c, then d[8]
+ *   (Q8_0's fp16 d as fp32; INT8: 1, its per-row scale multiplies the output). Signed weights cannot use the
+ *   int16 sums (|w q_x| pairs reach 32258): each VPMADDUBSW takes |w| against q_x with w's sign and goes
+ *   through VPMADDWD at once (|w| is formed once per 8 rows, the sign once per activation row).
+ * Rows past N are zero.
  *
  * Per output the operations and their order do not depend on M or on which rows share a tile: a row's result is
  * the same whatever the batch. The numbers are quant_q8.c's contract (the rounded activations times the
  * dequantized weights, up to fp32 rounding), summed in another order: this kernel and hfq8_linear may differ in
  * the last bits, so one process uses one of them for a layer.
  */
-enum { IR = 8, IREC = 128 + 2 * IR * 4 };
+enum { IR = 8, IREC4 = 128 + 2 * IR * 4, IREC8 = 256 + IR * 4 };
 
-/* bytes of the rows8 copy of an [N, K] weight of format fmt, or -1 where it has none (not Q4_0/Q4_1, K % 32) */
+static inline int wide(int fmt) { return fmt == FMT_Q8_0 || fmt == FMT_INT8; }
+static inline int irec(int fmt) { return wide(fmt) ? IREC8 : IREC4; }
+
+/* bytes of the rows8 copy of an [N, K] weight of format fmt, or -1 where it has none (unknown format, K % 32) */
 int64_t hfq8i_bytes(int fmt, int N, int K) {
-    if ((fmt != FMT_Q4_0 && fmt != FMT_Q4_1) || K % QK != 0 || N <= 0) return -1;
-    return (int64_t)((N + IR - 1) / IR) * (K / QK) * IREC;
+    if (block_bytes(fmt) == 0 || K % QK != 0 || N <= 0) return -1;
+    return (int64_t)((N + IR - 1) / IR) * (K / QK) * irec(fmt);
 }
 
 /* whether this build has the rows8 kernel (AVX2) */
@@ -37,10 +45,30 @@ int hfq8i_repack(const uint8_t* w, int fmt, int N, int K, uint8_t* out, int num_
     if (hfq8i_bytes(fmt, N, K) < 0) return -1;
     const int nb = K / QK, bb = block_bytes(fmt), off = quant_offset(fmt), groups = (N + IR - 1) / IR;
     const size_t row_bytes = (size_t)nb * bb;
+    if (wide(fmt)) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int g = 0; g < groups; ++g) {
+            for (int b = 0; b < nb; ++b) {
+                uint8_t* rec = out + ((size_t)g * nb + b) * IREC8;
+                float d[IR];
+                for (int j = 0; j < IR; ++j) {
+                    const int n = g * IR + j;
+                    const uint8_t* blk = w + (size_t)n * row_bytes + (size_t)b * bb;
+                    for (int t = 0; t < 8; ++t) {
+                        if (n < N) memcpy(rec + 32 * t + 4 * j, blk + off + 4 * t, 4);
+                        else memset(rec + 32 * t + 4 * j, 0, 4);
+                    }
+                    d[j] = n >= N ? 0.0f : fmt == FMT_INT8 ? 1.0f : h2f(blk);
+                }
+                memcpy(rec + 256, d, sizeof d);
+            }
+        }
+        return 0;
+    }
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int g = 0; g < groups; ++g) {
         for (int b = 0; b < nb; ++b) {
-            uint8_t* rec = out + ((size_t)g * nb + b) * IREC;
+            uint8_t* rec = out + ((size_t)g * nb + b) * IREC4;
             float d[IR], m[IR];
             for (int j = 0; j < IR; ++j) {
                 const int n = g * IR + j;
@@ -79,7 +107,7 @@ static inline __attribute__((always_inline)) void tile_rows8(
     __m256 acc[MRI];
     for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; ++b) {
-        const uint8_t* rec = wg + (size_t)b * IREC;
+        const uint8_t* rec = wg + (size_t)b * IREC4;
         __m256i s16[MRI];
         for (int i = 0; i < mr; ++i) s16[i] = _mm256_setzero_si256();
         for (int L = 0; L < 4; ++L) {
@@ -101,8 +129,44 @@ static inline __attribute__((always_inline)) void tile_rows8(
     for (int i = 0; i < mr; ++i) out[i] = acc[i];
 }
 
-static void tile_rows8_any(int mr, int nb, const uint8_t* wg, const int8_t* xq, int64_t K, const float* xd,
-                           const float* xs, __m256 out[MRI]) {
+/* the same for 8-bit weights (Q8_0, INT8): out[i] = sum over blocks of d_w * d_x * (integer dot) */
+static inline __attribute__((always_inline)) void tile_rows8_wide(
+    const int mr, const int nb, const uint8_t* wg, const int8_t* xq, const int64_t K, const float* xd,
+    __m256 out[MRI])
+{
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MRI];
+    for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t* rec = wg + (size_t)b * IREC8;
+        __m256i s32[MRI];
+        for (int i = 0; i < mr; ++i) s32[i] = _mm256_setzero_si256();
+        for (int t = 0; t < 8; ++t) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(rec + 32 * t)), u = _mm256_abs_epi8(w);
+            for (int i = 0; i < mr; ++i) {
+                const __m256i sx = _mm256_sign_epi8(bcast4(xq + i * K + b * QK + 4 * t), w);
+                s32[i] = _mm256_add_epi32(s32[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, sx), ones));
+            }
+        }
+        const __m256 d = _mm256_loadu_ps((const float*)(rec + 256));
+        for (int i = 0; i < mr; ++i)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]), _mm256_mul_ps(d, _mm256_set1_ps(xd[i * nb + b])),
+                                     acc[i]);
+    }
+    for (int i = 0; i < mr; ++i) out[i] = acc[i];
+}
+
+static void tile_rows8_any(int fmt, int mr, int nb, const uint8_t* wg, const int8_t* xq, int64_t K,
+                           const float* xd, const float* xs, __m256 out[MRI]) {
+    if (wide(fmt)) {
+        switch (mr) {
+        case 4: tile_rows8_wide(4, nb, wg, xq, K, xd, out); break;
+        case 3: tile_rows8_wide(3, nb, wg, xq, K, xd, out); break;
+        case 2: tile_rows8_wide(2, nb, wg, xq, K, xd, out); break;
+        default: tile_rows8_wide(1, nb, wg, xq, K, xd, out); break;
+        }
+        return;
+    }
     switch (mr) {
     case 4: tile_rows8(4, nb, wg, xq, K, xd, xs, out); break;
     case 3: tile_rows8(3, nb, wg, xq, K, xd, xs, out); break;
@@ -113,15 +177,14 @@ static void tile_rows8_any(int mr, int nb, const uint8_t* wg, const int8_t* xq, 
 #endif
 
 /*
- * hfq8_linear's computation on the rows8 copy wi of a Q4_0/Q4_1 weight (same arguments; scales unused). Returns
- * 0, -1 for a format without a rows8 copy or a build without AVX2, -2 when scratch cannot be allocated.
+ * hfq8_linear's computation on the rows8 copy wi of a weight (same arguments; scales: INT8's per-row scales).
+ * Returns 0, -1 for an unknown format, K % 32 or a build without AVX2, -2 when scratch cannot be allocated.
  */
 int hfq8i_linear(const float* x, int64_t ldx, const uint8_t* wi, int fmt, const float* scales, const float* bias,
                  float* y, int64_t ldy, int M, int N, int K, int num_threads)
 {
-    (void)scales;
 #if HAVE_I8
-    if (hfq8i_bytes(fmt, N, K) < 0) return -1;
+    if (hfq8i_bytes(fmt, N, K) < 0 || (fmt == FMT_INT8 && scales == NULL)) return -1;
     if (M <= 0) return 0;
     const int nb = K / QK, groups = (N + IR - 1) / IR;
     int8_t* xq = aligned_alloc(64, ((size_t)M * K + 63) / 64 * 64);
@@ -135,19 +198,25 @@ int hfq8i_linear(const float* x, int64_t ldx, const uint8_t* wi, int fmt, const 
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int g = 0; g < groups; ++g) {
         const int n0 = g * IR, nr = N - n0 < IR ? N - n0 : IR;
-        const uint8_t* wg = wi + (size_t)g * nb * IREC;
-        __m256 b8 = _mm256_setzero_ps();
+        const uint8_t* wg = wi + (size_t)g * nb * irec(fmt);
+        __m256 b8 = _mm256_setzero_ps(), s8 = _mm256_set1_ps(1.0f);
         if (bias != NULL) {
             float tmp[IR] = {0};
             memcpy(tmp, bias + n0, sizeof(float) * nr);
             b8 = _mm256_loadu_ps(tmp);
         }
+        if (fmt == FMT_INT8) {
+            float tmp[IR] = {0};
+            memcpy(tmp, scales + n0, sizeof(float) * nr);
+            s8 = _mm256_loadu_ps(tmp);
+        }
         for (int m0 = 0; m0 < M; m0 += MRI) {
             const int mr = M - m0 < MRI ? M - m0 : MRI;
             __m256 out[MRI];
-            tile_rows8_any(mr, nb, wg, xq + (size_t)m0 * K, K, xd + (size_t)m0 * nb, xs + (size_t)m0 * nb, out);
+            tile_rows8_any(fmt, mr, nb, wg, xq + (size_t)m0 * K, K, xd + (size_t)m0 * nb, xs + (size_t)m0 * nb, out);
             for (int i = 0; i < mr; ++i) {
-                const __m256 v = bias != NULL ? _mm256_add_ps(out[i], b8) : out[i];
+                /* as hfq8_linear: out * s + bias in one rounding (s = 1 except INT8's row scale) */
+                const __m256 v = _mm256_fmadd_ps(out[i], s8, b8);
                 float* yr = y + (m0 + i) * ldy + n0;
                 if (nr == IR) _mm256_storeu_ps(yr, v);
                 else {
@@ -162,7 +231,7 @@ int hfq8i_linear(const float* x, int64_t ldx, const uint8_t* wi, int fmt, const 
     free(xd);
     return 0;
 #else
-    (void)x, (void)ldx, (void)wi, (void)fmt, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K,
+    (void)x, (void)ldx, (void)wi, (void)fmt, (void)scales, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K,
         (void)num_threads;
     return -1;
 #endif
