@@ -10,6 +10,15 @@ buffers allocated once, so every replay of a bucket sees the same tensors; the p
   ``$HF_PAGED_CACHE/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set);
 - ``"static"``: run eagerly on the padded buffers (the CPU-testable twin of the two above).
 
+Steps with LoRA adapter rows (``lora``: the engine's :class:`~hf_paged.lora.manager.LoRAManager`) run here too in
+"static" and "cuda_graphs": their rows' slots go into a static index buffer (``lora_index``, ``-1`` on base and
+padding rows) filled before each replay, and every linear with adapter tensors runs the per-token shrink and
+expand kernels over it (:mod:`hf_paged.kernels.lora`), so one forward per bucket serves any mix of adapters. Such
+a forward is made apart from the base one (key ``(bucket, q, generation)``) and made again when another linear
+gets adapter tensors (the stacked tensors are otherwise written in place, never replaced). "inductor" leaves
+adapter steps to the eager path: the slots read the step's plan, a Python object, which dynamo would guard on
+and recompile for at every step.
+
 Steps the buckets do not cover (prefill chunks, mixed steps, more sequences than the largest bucket, uneven
 query lengths) run on the dynamic eager path. The attention op of a static step is
 ``torch.ops.hf_paged.static_paged_attention`` (:mod:`hf_paged.kernels.graph_ops`), running the engine's
@@ -99,7 +108,7 @@ class DecodeBuckets:
         # not), so that all ranks take a bucket or none: a padded step and an unpadded one run collectives of
         # different sizes
         self.agree = agree
-        self.lora = lora  # the LoRA manager ("static" runs its slots on the padded rows), or None
+        self.lora = lora  # the LoRA manager, or None
         self.num_lora_replays = 0
         self.model = model
         self.layers = attention
@@ -123,6 +132,8 @@ class DecodeBuckets:
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
         self.no_mask = _NO_MASK.to(device)
+        # each row's LoRA slot (-1: base or padding), read by the adapter forwards' kernels
+        self.lora_index = None if lora is None else torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         self.num_replays = 0
         self.num_builds = 0
@@ -140,12 +151,9 @@ class DecodeBuckets:
 
     @property
     def serves_lora(self) -> bool:
-        """Whether steps with adapter rows may run here: "static" only, whose padded forward is the eager one
-        (the slots see the padding rows as base rows). A CUDA graph or an inductor graph is made once per
-        bucket, but a LoRA step's work is decided per step in Python (which layers have a slot, the rows'
-        grouping by adapter, index tensors made for that step): a captured graph would replay the first
-        step's grouping, and inductor would guard-fail and recompile on every new one."""
-        return self.lora is not None and self.mode == "static"
+        """Whether steps with adapter rows may run here: "static" and "cuda_graphs" (a forward per bucket whose
+        adapter kernels read the static ``lora_index``), not "inductor" (see the module docstring)."""
+        return self.lora is not None and self.mode in ("static", "cuda_graphs")
 
     def accepts(self, scheduled: list[ScheduledSequence]) -> bool:
         return self.plan(scheduled) is not None
@@ -202,7 +210,23 @@ class DecodeBuckets:
             return None
         scheduled, (bucket, q) = step.scheduled, planned
         self.fill(scheduled, bucket, q)
-        key = (bucket, q)
+        if plan is None:
+            return self._replay(scheduled, (bucket, q))
+        own = self.lora.begin_static_step(self.lora_index[: bucket * q])
+        try:
+            generation = self.lora.generation
+            for stale in [k for k in self.graphs if len(k) == 3 and k[2] != generation]:
+                del self.graphs[stale]  # made before another linear got adapter tensors: it lacks their kernels
+            logits = self._replay(scheduled, (bucket, q, generation))
+        finally:
+            self.lora.end_static_step(own)
+        self.num_lora_replays += logits is not None
+        return logits
+
+    def _replay(self, scheduled: list[ScheduledSequence], key: tuple[int, ...]) -> torch.Tensor | None:
+        """Run the forward of ``key`` (``(bucket, q)``, and the LoRA generation for adapter steps), built on
+        first use; None when it cannot be built."""
+        bucket, q = key[0], key[1]
         fn = self.graphs.get(key)
         if fn is None:
             why = None
@@ -216,15 +240,8 @@ class DecodeBuckets:
                 self.disable(f"building decode bucket {bucket} x {q} ({self.mode}) failed: {why}")
                 return None
             self.graphs[key] = fn
-        if plan is not None:
-            plan.num_tokens = bucket * q  # the padding rows follow the real ones: base rows for the slots
-        try:
-            logits = fn()
-        finally:
-            if plan is not None:
-                plan.num_tokens = len(scheduled) * q
+        logits = fn()
         self.num_replays += 1
-        self.num_lora_replays += plan is not None
         return logits[: len(scheduled) * q]
 
     def disable(self, reason: str) -> None:

@@ -158,7 +158,8 @@ class ModelRunner:
         """Logits ``[N, V]`` at the sampled rows of ``step``: on the fast runner where it takes the step, else
         on the eager forward; ``model`` and ``fast``: a draft model and its own fast runner (default: the
         target's). A step with adapter rows runs with the step's LoRA plan and slots set: on the native decode
-        program where it takes the step (its delta ops), else eagerly (a draft runs base)."""
+        program (its delta ops) or the decode buckets (static, CUDA graphs) where they take the step, else
+        eagerly (a draft runs base)."""
         if model is None:
             fast = self.fast
             if self.lora is not None and any(item.lora_int_id for item in step.scheduled):

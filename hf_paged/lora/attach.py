@@ -3,8 +3,9 @@
 Every engine linear ends its forward with ``y = self.lora(x, y)`` where ``lora`` is set. The manager sets the
 slot only on the layers that the step's adapters adapt, and only for that step's forward
 (:meth:`~hf_paged.lora.manager.LoRAManager.set_step`): between adapter steps every ``lora`` is None, so a
-base-only step runs exactly as without LoRA (the native decode program and decode buckets, which refuse a
-set slot, keep serving those steps).
+base-only step runs exactly as without LoRA. The native decode program and the decode buckets serve adapter
+steps too: the program with delta ops it records, the buckets (static, CUDA graphs) with every slot holding adapter
+tensors set for their replay (:meth:`~hf_paged.lora.manager.LoRAManager.begin_static_step`).
 """
 
 from __future__ import annotations

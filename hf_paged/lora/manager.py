@@ -9,7 +9,9 @@
 
 Per step the model runner calls :meth:`set_step` with each scheduled sequence's adapter and token count (the
 slots then sit on the layers the step's adapters adapt, and read :attr:`plan`), runs the forward, then
-:meth:`clear_step`.
+:meth:`clear_step`. A decode bucket (static buffers, CUDA graphs) wraps its replay in :meth:`begin_static_step`
+and :meth:`end_static_step`: the rows' slots go into its static index buffer, and every linear with adapter
+tensors gets its slot for that replay.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class LoRAManager:
         self._slot_names: list[set[str]] = [set() for _ in range(max_loras)]  # the layers each slot's adapter adapts
         self._steps = 0
         self.plan: StepPlan | None = None
+        self.kernel_backend = "auto"  # the per-token kernels' backend (hf_paged.kernels.lora)
+        self.per_token: bool | None = None  # eager steps' plans per token (kernels); None: on CUDA only
+        self._static_set: list[torch.nn.Module] = []  # layers given their slot by begin_static_step only
         self._layers: dict[str, torch.nn.Module] = {}  # the engine layers whose ``lora`` a step sets (bind)
         self._set: list[torch.nn.Module] = []  # the layers with their slot set for this step
         self._slot_by_layer: dict[int, LoRASlot] = {}
@@ -142,7 +147,7 @@ class LoRAManager:
         token_slots: list[int] = []
         for lora_id, n in rows:
             token_slots.extend([slot_of[lora_id] if lora_id else -1] * n)
-        self.plan = plan_step(token_slots, device)
+        self.plan = plan_step(token_slots, device, self.per_token, self.kernel_backend)
         # the slot goes on the layers this step's adapters adapt, and comes off after the forward
         names = set().union(*(self._slot_names[slot] for slot in slot_of.values()))
         for name in names:
@@ -154,9 +159,46 @@ class LoRAManager:
     def clear_step(self) -> None:
         """After the step's forward: no plan, every slot off the layers again."""
         self.plan = None
-        for layer in self._set:
+        for layer in self._set + self._static_set:
             layer.lora = None
         self._set.clear()
+        self._static_set.clear()
+
+    @property
+    def generation(self) -> int:
+        """How many linears have adapter tensors. They are made once (when an adapter of the linear first
+        becomes resident) and then only written in place, so a graph captured at this generation runs every
+        delta it ever will need to until the next linear gets its tensors."""
+        return sum(slot.a is not None for slot in self.slots.values())
+
+    def begin_static_step(self, index: torch.Tensor) -> StepPlan:
+        """Run the current step's adapter rows from ``index`` (a decode bucket's static int32 buffer, its padded
+        row count long): the rows' slots are copied in, padding rows get ``-1``, and the plan becomes a static
+        ``"tokens"`` plan over every linear that has adapter tensors (a captured graph then holds each one's
+        kernels, whichever adapters later steps mix). Returns the step's own plan, for
+        :meth:`end_static_step`."""
+        plan = self.plan
+        n = len(plan.token_slots)
+        if n > index.numel():
+            raise ValueError(f"a static LoRA index of {index.numel()} rows cannot hold the step's {n} rows")
+        index[:n].copy_(torch.tensor(plan.token_slots, dtype=index.dtype), non_blocking=True)
+        index[n:].fill_(-1)
+        self.plan = StepPlan(index.numel(), "tokens", plan.segments, token_slots=plan.token_slots,
+                             token_index=index, static=True, backend=self.kernel_backend)
+        for name, layer in self._layers.items():
+            slot = self.slots.get(name)
+            if slot is not None and slot.a is not None and layer.lora is None:
+                layer.lora = slot
+                self._static_set.append(layer)
+        return plan
+
+    def end_static_step(self, plan: StepPlan) -> None:
+        """Undo :meth:`begin_static_step`: the step's own plan back (an eager forward may still serve the step),
+        the extra slots off their layers."""
+        self.plan = plan
+        for layer in self._static_set:
+            layer.lora = None
+        self._static_set.clear()
 
     def bind(self, layers: dict[str, torch.nn.Module]) -> None:
         """The layer objects whose ``lora`` :meth:`set_step` sets (:func:`~hf_paged.lora.attach.attach_slots`)."""

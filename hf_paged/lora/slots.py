@@ -3,7 +3,13 @@
 A slot is the callable an engine linear calls after its own matmul: ``y = slot(x, y)`` adds, to each row
 (token) of the step, the delta of that row's adapter, ``scale * (x @ A.T) @ B.T``, and nothing to base rows
 (in place: ``y`` is the layer's fresh output, or a column view of its group GEMM's output).
-Rows are grouped by adapter (the step's :class:`StepPlan`, made once per step) in one of three layouts:
+Rows are grouped by adapter (the step's :class:`StepPlan`, made once per step) in one of four layouts:
+
+- ``"tokens"`` (CUDA, and every decode-bucket step): no grouping; each row's slot in one int32 tensor
+  (``token_index``, ``-1``: a base row), and per linear one shrink and one expand kernel
+  (:func:`hf_paged.kernels.lora.add_lora_delta`: Triton on CUDA, its torch twin on CPU) read it, no gather, no
+  scatter. Their grids depend on the row count only, so a CUDA graph replays them with the index in a static
+  buffer (the decode buckets' ``lora_index``);
 
 - ``"runs"``: a few long runs of rows (prefill chunks, batch 1): each run's delta is computed and added on views
   of ``x`` and ``y`` (no gather, no scatter);
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_paged.kernels.lora import add_lora_delta
 from hf_paged.lora.loading import LoRALayerWeights
 
 MAX_RUNS = 8  # up to this many runs of adapter rows may be computed in place ...
@@ -48,6 +55,10 @@ class StepPlan:
     length: int = 0
     index: torch.Tensor | None = None
     valid: list[float] = field(default_factory=list)
+    token_slots: list[int] = field(default_factory=list)
+    token_index: torch.Tensor | None = None
+    static: bool = False
+    backend: str = "auto"  # the "tokens" layout's kernels (hf_paged.kernels.lora): "auto", "torch" or "triton"
     _scales: dict = field(default_factory=dict, repr=False)
     # the thread running the step's forward: engines on one model share its layer objects, and another engine's
     # forward in another thread must not pick up this step's slots
@@ -60,6 +71,8 @@ class StepPlan:
     def inputs(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What :meth:`LoRASlot.add_delta` reads for the step's rows of ``x2`` ``[num_tokens, in]``: ``x2``
         itself (runs), its gathered rows (segments) or ``[slots, length, in]`` (padded), in ``dtype``."""
+        if self.layout == "tokens":  # the kernels read x as it is
+            return x2
         if self.layout == "runs":
             return x2.to(dtype)
         # index_select gathers in one copy (advanced indexing is far slower on CPU)
@@ -78,8 +91,10 @@ class StepPlan:
         return t
 
 
-def plan_step(token_slots: list[int], device: torch.device) -> StepPlan | None:
-    """Group rows by slot (``-1``: base). None when no row has an adapter: the slots then cost nothing."""
+def plan_step(token_slots: list[int], device: torch.device, per_token: bool | None = None,
+              backend: str = "auto") -> StepPlan | None:
+    """Group rows by slot (``-1``: base). None when no row has an adapter: the slots then cost nothing.
+    ``per_token`` (default: on CUDA) makes a ``"tokens"`` plan, whose kernels run on ``backend``."""
     runs: list[tuple[int, int, int]] = []
     for row, slot in enumerate(token_slots):
         if slot < 0:
@@ -91,9 +106,13 @@ def plan_step(token_slots: list[int], device: torch.device) -> StepPlan | None:
     if not runs:
         return None
     num_tokens = len(token_slots)
+    if per_token if per_token is not None else device.type == "cuda":
+        index = torch.tensor(token_slots, dtype=torch.int32).to(device, non_blocking=True)
+        return StepPlan(num_tokens, "tokens", runs, token_slots=list(token_slots), token_index=index,
+                        backend=backend)
     adapter_rows = sum(end - start for _, start, end in runs)
     if len(runs) == 1 or (len(runs) <= MAX_RUNS and adapter_rows >= RUN_ROWS * len(runs)):
-        return StepPlan(num_tokens, "runs", runs)
+        return StepPlan(num_tokens, "runs", runs, token_slots=list(token_slots))
     order = sorted((slot, row) for row, slot in enumerate(token_slots) if slot >= 0)
     segments: list[tuple[int, int, int]] = []
     for i, (slot, _) in enumerate(order):
@@ -104,20 +123,25 @@ def plan_step(token_slots: list[int], device: torch.device) -> StepPlan | None:
     members = [row for _, row in order]
     length = max(end - start for _, start, end in segments)
     if len(segments) * length > 2 * adapter_rows + 8:  # padding would cost more than the rows themselves
-        return StepPlan(num_tokens, "segments", segments, rows=torch.tensor(members, dtype=torch.long, device=device))
+        return StepPlan(num_tokens, "segments", segments, rows=torch.tensor(members, dtype=torch.long, device=device),
+                        token_slots=list(token_slots))
     index, valid = [], []
     for _, start, end in segments:
         pad = length - (end - start)
         index += members[start:end] + [members[start]] * pad
         valid += [1.0] * (end - start) + [0.0] * pad
     return StepPlan(num_tokens, "padded", segments, slots=[s for s, _, _ in segments], length=length,
-                    index=torch.tensor(index, dtype=torch.long, device=device), valid=valid)
+                    index=torch.tensor(index, dtype=torch.long, device=device), valid=valid,
+                    token_slots=list(token_slots))
 
 
 class LoRASlot:
     """The resident adapters of one linear: ``A [max_loras, max_rank, in]`` and ``B [max_loras, out, max_rank]``
     (zero past each adapter's rank, and all zero in a slot whose adapter leaves this linear alone), each slot's
-    rank and scale. Tensors are made when an adapter of this linear first becomes resident.
+    rank and scale (also as ``scale_t``, fp32 ``[max_loras]`` on the device, for the kernels). The tensors are
+    made when an adapter of this linear first becomes resident, and from then on only written in place (a CUDA
+    graph that captured them stays valid; the manager's :attr:`~hf_paged.lora.manager.LoRAManager.generation`
+    counts the slots that have them).
 
     Args:
         plan_source: An object whose ``plan`` attribute is the current :class:`StepPlan` or None (the manager).
@@ -134,6 +158,7 @@ class LoRASlot:
         self.device, self.dtype = device, dtype
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
+        self.scale_t: torch.Tensor | None = None
         self.ranks = [0] * max_loras  # 0: the adapter in this slot leaves this linear alone
         self.scales = [0.0] * max_loras
 
@@ -149,21 +174,26 @@ class LoRASlot:
             if self.a is not None:  # zeros: the padded layout runs every step's slots through one bmm
                 self.a[slot].zero_()
                 self.b[slot].zero_()
+                self.scale_t[slot] = 0.0
             return
         if self.a is None:
             self.a = torch.zeros(self.max_loras, self.max_rank, self.in_features, device=self.device, dtype=self.dtype)
             self.b = torch.zeros(self.max_loras, self.out_features, self.max_rank, device=self.device, dtype=self.dtype)
+            self.scale_t = torch.zeros(self.max_loras, device=self.device, dtype=torch.float32)
         r = weights.rank
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.a[slot, :r].copy_(weights.a)
         self.b[slot, :, :r].copy_(weights.b)
         self.ranks[slot], self.scales[slot] = r, weights.scale
+        self.scale_t[slot] = weights.scale
 
     def active(self, plan: StepPlan | None) -> bool:
-        """Whether this step adds anything here: a plan, and one of its adapters adapts this linear."""
-        return (plan is not None and self.a is not None and plan.thread == threading.get_ident()
-                and any(self.ranks[slot] for slot, _, _ in plan.segments))
+        """Whether this step adds anything here: a plan, and one of its adapters adapts this linear (a static plan:
+        this linear has adapter tensors, the kernels run whatever the rows' slots)."""
+        if plan is None or self.a is None or plan.thread != threading.get_ident():
+            return False
+        return plan.static or any(self.ranks[slot] for slot, _, _ in plan.segments)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` ``[..., out]`` plus each row's adapter delta from ``x`` ``[..., in]`` (the same rows)."""
@@ -182,6 +212,9 @@ class LoRASlot:
     def add_delta(self, plan: StepPlan, xs: torch.Tensor, out: torch.Tensor) -> None:
         """Add the step's deltas into ``out`` ``[num_tokens, out]`` (in place; a column view is fine), from
         ``xs = plan.inputs(x2, self.dtype)``. The caller checked :meth:`active`."""
+        if plan.layout == "tokens":  # one shrink, one expand over the per-token slot index
+            add_lora_delta(xs, self.a, self.b, self.scale_t, plan.token_index, out, plan.backend, checked=True)
+            return
         if plan.layout == "runs":
             for slot, start, end in plan.segments:
                 r = self.ranks[slot]
