@@ -97,3 +97,34 @@ def test_bad_arguments_are_named(bad, match):
     with pytest.raises(ValueError, match="backend"):
         add_lora_delta(torch.zeros(3, 8), a, b, torch.ones(2), torch.zeros(3, dtype=torch.int32), torch.zeros(3, 6),
                        backend="cuda")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_slot_with_a_per_token_plan(backend):
+    """``LoRASlot`` with a ``"tokens"`` plan (the CUDA layout) adds each row's delta through the kernels: slot 1
+    holds an adapter that leaves this linear alone (zeros, scale 0), slot 2 a rank below the padded rank."""
+    from hf_paged.lora.loading import LoRALayerWeights
+    from hf_paged.lora.slots import LoRASlot, plan_step
+
+    class Source:
+        plan = None
+
+    torch.manual_seed(0)
+    source = Source()
+    slot = LoRASlot(source, 12, 10, max_loras=3, max_rank=4, device=torch.device("cpu"), dtype=torch.float32)
+    weights = {0: LoRALayerWeights(torch.randn(4, 12), torch.randn(10, 4), 0.5),
+               2: LoRALayerWeights(torch.randn(2, 12), torch.randn(10, 2), 3.0)}
+    for index, w in weights.items():
+        slot.set(index, w)
+    slot.set(1, None)
+    assert slot.scale_t.tolist() == [0.5, 0.0, 3.0]
+    token_slots = [2, -1, 0, 1, 0, 2]
+    x, y = torch.randn(1, len(token_slots), 12), torch.randn(1, len(token_slots), 10)
+    expected = y.clone().double()
+    for row, index in enumerate(token_slots):
+        if index in weights:
+            w = weights[index]
+            expected[0, row] += (x[0, row].double() @ w.a.double().t() @ w.b.double().t()) * w.scale
+    source.plan = plan_step(token_slots, torch.device("cpu"), per_token=True, backend=backend)
+    assert source.plan.layout == "tokens"
+    torch.testing.assert_close(slot(x, y.clone()).double(), expected, rtol=1e-5, atol=1e-5)
