@@ -23,6 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from hf_paged.kernels.triton import attention as ta  # noqa: E402
+from hf_paged.kernels.triton import lora as tl_lora  # noqa: E402
 from hf_paged.kernels.triton.decode import decode_kernel, reduce_splits_kernel  # noqa: E402
 from hf_paged.kernels.triton.store import store_kv_kernel  # noqa: E402
 from hf_paged.kernels.triton.varlen import varlen_kernel  # noqa: E402
@@ -143,9 +144,38 @@ def main() -> int:
                                    k_scale_ptr="*fp32", v_scale_ptr="*fp32", slot_mapping_ptr="*i64"),
              dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_H=8, KV_INT8=True), 90)
     print("reduce and store kernels compiled")
+    failures += _compile_lora()
     for failure in failures:
         print("FAIL", failure)
     return 1 if failures else 0
+
+
+def _compile_lora() -> list[str]:
+    """The multi-LoRA shrink and expand kernels, with the tiles their host wrappers pick for a 4096-wide linear."""
+    failures = []
+    for dtype, max_rank, arch in ((torch.bfloat16, 16, 90), (torch.float16, 64, 80), (torch.float32, 8, 90)):
+        t = TRITON_DTYPE[dtype]
+        rank_tile = tl_lora.block_r(max_rank)
+        width = min(max(16, tl_lora.TILE_ELEMENTS // rank_tile), 4096)
+        for fn, pointers, constexprs in (
+            (tl_lora.lora_shrink_kernel, dict(x_ptr=f"*{t}", a_ptr=f"*{t}", index_ptr="*i32", s_ptr="*fp32"),
+             dict(BLOCK_R=rank_tile, BLOCK_K=width)),
+            (tl_lora.lora_expand_kernel, dict(s_ptr="*fp32", b_ptr=f"*{t}", scale_ptr="*fp32", index_ptr="*i32",
+                                              y_ptr=f"*{t}"), dict(BLOCK_R=rank_tile, BLOCK_N=width)),
+        ):
+            label = f"{fn.__name__} {t} max_rank={max_rank} sm_{arch}"
+            try:
+                compiled = _compile(fn, pointers, constexprs, arch)
+            except Exception as e:  # noqa: BLE001 - report every failing configuration
+                failures.append(f"{label}: {type(e).__name__}: {e}")
+                continue
+            spills = _spill_bytes(compiled)
+            print(f"{label}: shared={compiled.metadata.shared} spill_bytes={spills}")
+            if compiled.metadata.shared > MAX_SHARED:
+                failures.append(f"{label}: {compiled.metadata.shared} bytes of shared memory")
+            if spills and dtype != torch.float32:
+                failures.append(f"{label}: spills {spills} bytes")
+    return failures
 
 
 if __name__ == "__main__":
