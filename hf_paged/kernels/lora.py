@@ -37,7 +37,7 @@ def resolve(backend: str, device: torch.device) -> str:
 
 def _triton_available() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 - only whether it imports
     except ImportError:
         return False
     return True
