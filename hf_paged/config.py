@@ -138,8 +138,9 @@ class EngineConfig:
             after a restart) on the same folder reads its prefixes back. None: no disk tier.
         prefix_cache_disk_gb: Cap on the disk tier's size, least recently used files deleted first (None: no cap).
         enable_lora: Serve PEFT LoRA adapters per request (``lora_request=``; docs/lora.md). Steps with adapter
-            rows run the eager forward (the fused CPU decoder layers apply the adapters; the native decode program
-            and decode buckets serve base-only steps).
+            rows run on the native decode program (CPU) and the static / CUDA-graph decode buckets where those
+            take the step (the adapter deltas as per-token kernels over a static slot index on CUDA), else on
+            the eager forward. Refused with ``decode_runner="inductor"``.
         max_loras: With ``enable_lora``, the most distinct adapters one step mixes (resident at once); requests
             of more adapters wait.
         max_lora_rank: With ``enable_lora``, the largest adapter rank accepted (the slots are padded to it).
@@ -254,8 +255,9 @@ class EngineConfig:
         if not self.enable_lora:
             return
         if self.decode_runner == "inductor":
-            raise ValueError("decode_runner='inductor' conflicts with enable_lora (its compiled graphs would not "
-                             "see the adapter slots); use 'auto'")
+            raise ValueError("decode_runner='inductor' conflicts with enable_lora (the adapter slots read the step's "
+                             "plan, a Python object torch.compile would recompile for at every step); use 'auto', "
+                             "'cuda_graphs' or 'static'")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
