@@ -10,7 +10,6 @@ Rows are grouped by adapter (the step's :class:`StepPlan`, made once per step) i
   (:func:`hf_paged.kernels.lora.add_lora_delta`: Triton on CUDA, its torch twin on CPU) read it, no gather, no
   scatter. Their grids depend on the row count only, so a CUDA graph replays them with the index in a static
   buffer (the decode buckets' ``lora_index``);
-
 - ``"runs"``: a few long runs of rows (prefill chunks, batch 1): each run's delta is computed and added on views
   of ``x`` and ``y`` (no gather, no scatter);
 - ``"padded"``: many short runs (decode steps mixing adapters): the rows are gathered once, sorted by slot and
@@ -70,7 +69,8 @@ class StepPlan:
 
     def inputs(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What :meth:`LoRASlot.add_delta` reads for the step's rows of ``x2`` ``[num_tokens, in]``: ``x2``
-        itself (runs), its gathered rows (segments) or ``[slots, length, in]`` (padded), in ``dtype``."""
+        itself (runs), its gathered rows (segments) or ``[slots, length, in]`` (padded), in ``dtype``; ``x2`` as
+        it is for the per-token kernels (tokens), which read any float dtype."""
         if self.layout == "tokens":  # the kernels read x as it is
             return x2
         if self.layout == "runs":
