@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_paged.model.layers import quant_layout
 from hf_paged.model.layers import quant_linear as ql
 from hf_paged.model.layers.quant_linear import FORMATS, QuantLinear, dequantize_torch, quantize_activations, round_bf16
 
@@ -143,16 +144,16 @@ def test_layer_picks_one_int8_kernel_for_every_batch_and_follows_weight_changes(
     x = torch.randn(6, 96, generator=torch.Generator().manual_seed(4))
     got = {}
     for layout in ("rows8", "blocks"):
-        monkeypatch.setenv(ql.ROWS8_ENV, layout)
-        monkeypatch.setattr(ql, "_rows8", {})
+        monkeypatch.setenv(quant_layout.ROWS8_ENV, layout)
+        monkeypatch.setattr(quant_layout, "_chosen", {})
         fn, _, weight = layer.kernel()
         assert fn == (native.hfq8i_linear if layout == "rows8" else native.hfq8_linear)
-        assert weight is (layer.qweight if layout == "blocks" else layer._rows8_copy())
+        assert weight is (layer.qweight if layout == "blocks" else quant_layout.rows8_copy(layer, native))
         got[layout] = layer(x)
         assert torch.equal(got[layout][2:3], layer(x[2:3]))
     torch.testing.assert_close(got["rows8"], got["blocks"], atol=1e-4, rtol=1e-5)
-    monkeypatch.setenv(ql.ROWS8_ENV, "rows8")
-    monkeypatch.setattr(ql, "_rows8", {})
+    monkeypatch.setenv(quant_layout.ROWS8_ENV, "rows8")
+    monkeypatch.setattr(quant_layout, "_chosen", {})
     before = layer(x)
     other, _ = _case("q4_1", n=40, k=96, seed=5)
     with torch.no_grad():
@@ -161,10 +162,31 @@ def test_layer_picks_one_int8_kernel_for_every_batch_and_follows_weight_changes(
     other.activations = "int8"
     assert torch.equal(layer(x), other(x))
     assert not torch.equal(layer(x), before)
-    monkeypatch.setenv(ql.ROWS8_ENV, "fastest")
-    monkeypatch.setattr(ql, "_rows8", {})
+    monkeypatch.setenv(quant_layout.ROWS8_ENV, "fastest")
+    monkeypatch.setattr(quant_layout, "_chosen", {})
     with pytest.raises(ValueError, match="HF_PAGED_Q8_LAYOUT must be 'rows8' or 'blocks'"):
         layer(x)
+
+
+@pytest.mark.parametrize("faster", ["rows8", "blocks"])
+def test_int8_kernel_choice_follows_the_timings(monkeypatch, faster):
+    """Unforced, each weight family takes the kernel its timing found faster (here: timings as the store would
+    give them), once per process; the int8 format always keeps the block kernel."""
+    native = _load(Q8_LIBS, "host")
+    if not native.hfq8i_available():
+        pytest.skip("build without AVX2")
+    from hf_paged.kernels.cpu import tuning_store
+
+    monkeypatch.delenv(quant_layout.ROWS8_ENV, raising=False)
+    monkeypatch.setattr(quant_layout, "_chosen", {})
+    asked = []
+    slow, fast = 2e-4, 1e-4
+    fake = {"rows8": fast if faster == "rows8" else slow, "blocks": fast if faster == "blocks" else slow}
+    monkeypatch.setattr(tuning_store, "get", lambda key: asked.append(key) or dict(fake))
+    assert quant_layout.rows8_chosen("q4_0", native) is (faster == "rows8")
+    assert quant_layout.rows8_chosen("q4_1", native) is (faster == "rows8")  # the same family: not timed again
+    assert quant_layout.rows8_chosen("int8", native) is False
+    assert asked == ["q8-layout:q4_1:960x576"]
 
 
 def test_int8_mode_without_its_library_uses_float_kernel_or_torch(monkeypatch):

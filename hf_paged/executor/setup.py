@@ -272,8 +272,7 @@ def draft_program(model: torch.nn.Module, layers: AttentionLayers, cfg: EngineCo
     held: list[str] = []
 
     def give_back() -> None:
-        for name in reversed(held):
-            model_patches.release(model, name)
+        release_patches(model, held)
         held.clear()
 
     try:
@@ -305,8 +304,13 @@ def max_positions(model: torch.nn.Module) -> int | None:
     return None
 
 
-def release_model(model: torch.nn.Module, held: list[str]) -> None:
-    """Give back the model patches ``held`` (names, in the order taken: undone in reverse) and the attention."""
+def release_patches(model: torch.nn.Module, held: list[str]) -> None:
+    """Give back the model patches ``held`` (names, in the order taken: undone in reverse)."""
     for name in reversed(held):
         model_patches.release(model, name)
+
+
+def release_model(model: torch.nn.Module, held: list[str]) -> None:
+    """Give back the model patches ``held`` and the attention."""
+    release_patches(model, held)
     model_patches.release_attention(model)

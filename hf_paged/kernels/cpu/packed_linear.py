@@ -253,6 +253,26 @@ def cold_bytes() -> int:
         scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
         size = max(size, int(text.rstrip("KMG") or 0) * scale)
     return min(512 << 20, max(32 << 20, 2 * size)) if size else 96 << 20
+
+
+def cold_copies(nbytes: int, lo: int, hi: int) -> int:
+    """How many copies of a weight of ``nbytes`` a kernel timing cycles through so that each call reads its weight
+    from DRAM, as every linear of a decode step does: enough to fill :func:`cold_bytes`, within ``[lo, hi]``."""
+    return max(lo, min(hi, -(-cold_bytes() // max(1, nbytes))))
+
+
+def best_round(calls: list, rounds: int) -> float:
+    """Seconds per call of the fastest of ``rounds`` passes over ``calls`` (callables of no arguments), after one
+    untimed pass (first-call setup, and the weights out of the caches)."""
+    for call in calls:
+        call()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        best = min(best, time.perf_counter() - start)
+    return best / len(calls)
 _MARGIN = {"upcast": 1.25}
 # "native" is kept unless another packing times this much faster: the native decode program
 # (cpu/native_program.py) runs native packs as C calls and gains far more with them (batch 1, default model:
@@ -316,7 +336,7 @@ def _time_kinds(dtype: torch.dtype, out_features: int, in_features: int, kinds: 
     # Enough copies of the weight to overflow the caches, called in turn: each call reads its weight from
     # DRAM, as every linear of a decode step does. (Timed with one hot weight, oneDNN won for fp32 on a Zen 5
     # host; with the weights coming from DRAM our GEMM, which prefetches them, was 10% faster.)
-    copies = max(reps, min(256, -(-cold_bytes() // max(1, w.numel() * w.element_size()))))
+    copies = cold_copies(w.numel() * w.element_size(), reps, 256)
     weights = [w] + [w.clone() for _ in range(copies - 1)]
     timings = {}
     for kind in (("torch",) if include_torch else ()) + tuple(kinds):
@@ -324,15 +344,7 @@ def _time_kinds(dtype: torch.dtype, out_features: int, in_features: int, kinds: 
             calls = [lambda w=w: torch.nn.functional.linear(x, w) for w in weights]
         else:
             calls = [lambda pack=PACKERS[kind](w): pack.linear(x, None) for w in weights]
-        for call in calls:  # warm-up (first-call setup), and the copies out of the caches
-            call()
-        best_round = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for call in calls:
-                call()
-            best_round = min(best_round, time.perf_counter() - start)
-        timings[kind] = best_round / len(calls)
+        timings[kind] = best_round(calls, 3)
         del calls
     del weights
     release_freed_memory()

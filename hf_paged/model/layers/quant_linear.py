@@ -24,8 +24,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import os
-import time
 
 import torch
 
@@ -35,6 +33,7 @@ from hf_paged.kernels.cpu.quant_formats import (  # noqa: F401 - re-exported
     ACTIVATIONS, BLOCK_BYTES, FORMATS, GROUP, QUANTIZATIONS, check_format, dequantize_torch, quantize,
     quantize_activations, round_bf16,
 )
+from hf_paged.model.layers import quant_layout
 
 logger = logging.getLogger(__name__)
 
@@ -193,74 +192,6 @@ def describe_modes() -> dict[str, str]:
     return out
 
 
-ROWS8_ENV = "HF_PAGED_Q8_LAYOUT"  # "rows8" / "blocks": force the int8-mode kernel (default: timed per weight family)
-# the formats whose int8-mode kernel is chosen together, and the format timed for each family. The int8 format
-# (per-row scales, quantized at start) keeps the block kernel: with the rows8 kernel the engine's greedy tokens
-# on an int8-quantized model left stock generate's on the same layers in one test (a 1% logit gap), though each
-# layer matched the reference, every batch split and its joined q/k/v group; not understood yet.
-_FAMILIES = {"q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0", "int8": None}
-_rows8: dict[str, bool] = {}
-
-
-def rows8_chosen(fmt: str = "q4_1") -> bool:
-    """Whether int8-mode linears of format ``fmt`` run the rows8 kernel on an interleaved copy of the weight
-    (``csrc/quant_q8_rows8.h``) rather than ``hfq8_linear`` on the stored blocks.
-
-    Decided once per process for each weight family (4-bit: Q4_0/Q4_1; Q8_0), for every batch size
-    (so a row's result does not depend on the batch): by ``HF_PAGED_Q8_LAYOUT`` if set, else by timing both
-    kernels at one and at 32 rows on a default-model-sized weight of the family (kept across runs in
-    :mod:`hf_paged.kernels.cpu.tuning_store`). Without VNNI the rows8 kernel was 2.2-3.7x faster per call on
-    Q4_1 on a Zen 3 host; with VNNI or AMX the block kernel may win, hence the timing.
-    """
-    family = _FAMILIES[fmt]
-    if family is None:
-        return False
-    if family not in _rows8:
-        forced = os.environ.get(ROWS8_ENV, "").strip().lower()
-        if forced not in ("", "rows8", "blocks"):
-            raise ValueError(f"{ROWS8_ENV} must be 'rows8' or 'blocks' (or unset: timed), got {forced!r}")
-        lib = native_library("int8")
-        if lib is None or not lib.hfq8i_available():
-            _rows8[family] = False
-        elif forced:
-            _rows8[family] = forced == "rows8"
-        else:
-            _rows8[family] = _time_rows8(lib, family)
-    return _rows8[family]
-
-
-def _time_rows8(lib: ctypes.CDLL, fmt: str, out_features: int = 960, in_features: int = 576) -> bool:
-    from hf_paged.kernels.cpu import tuning_store
-    from hf_paged.kernels.cpu.packed_linear import cold_bytes
-
-    key = f"q8-layout:{fmt}:{out_features}x{in_features}"
-    timings = tuning_store.get(key)
-    if timings is None or set(timings) != {"blocks", "rows8"}:
-        g = torch.Generator().manual_seed(0)
-        weight = torch.randn(out_features, in_features, generator=g)
-        _, qweight, _ = quantize(weight, fmt)
-        copies = max(4, min(64, -(-cold_bytes() // qweight.numel())))  # weights from DRAM, as in a step
-        layers = [QuantLinear(in_features, out_features, fmt, qweight.clone(), None, None, "int8")
-                  for _ in range(copies)]
-        xs = [torch.randn(rows, in_features, generator=g) for rows in (1, 32)]
-        timings = {}
-        for name, fn in (("blocks", lib.hfq8_linear), ("rows8", lib.hfq8i_linear)):
-            weights = [m.qweight if name == "blocks" else m._rows8_copy() for m in layers]
-            best = float("inf")
-            for _ in range(4):  # the first round warms up
-                start = time.perf_counter()
-                for x in xs:
-                    for m, w in zip(layers, weights):
-                        m._call(fn, x, weight=w)
-                best = min(best, time.perf_counter() - start)
-            timings[name] = best / len(layers)
-        tuning_store.put(key, timings)
-    chosen = timings["rows8"] < timings["blocks"]
-    logger.info("int8 kernel for %s weights: blocks %.0f us, rows8 %.0f us -> %s", fmt, timings["blocks"] * 1e6,
-                timings["rows8"] * 1e6, "rows8" if chosen else "blocks")
-    return chosen
-
-
 class QuantLinear(torch.nn.Module):
     """A linear layer whose weight stays quantized: ``y = x @ dequant(qweight)^T + bias``.
 
@@ -327,32 +258,16 @@ class QuantLinear(torch.nn.Module):
     def kernel(self) -> tuple:
         """``(function, mode, weight)``: the C linear this layer's calls take (see :func:`kernel`; ``(None, None,
         None)``: dequantize in torch) and the weight bytes it reads: in int8 mode the weight's interleaved copy
-        where :func:`rows8_chosen` for its format, else ``qweight``."""
+        where :func:`~hf_paged.model.layers.quant_layout.rows8_chosen` for its format, else ``qweight``."""
         fn, mode = kernel(self.activations)
         if fn is None:
             return None, None, None
-        if mode == "int8" and rows8_chosen(self.fmt):
-            return native_library("int8").hfq8i_linear, mode, self._rows8_copy()
+        lib = native_library("int8") if mode == "int8" else None
+        if lib is not None and quant_layout.rows8_chosen(self.fmt, lib):
+            return lib.hfq8i_linear, mode, quant_layout.rows8_copy(self, lib)
         return fn, mode, self.qweight
 
-    _rows8_cache: tuple | None = None
-
-    def _rows8_copy(self) -> torch.Tensor:
-        """The interleaved copy of ``qweight`` for the rows8 kernel (made on first use; again if ``qweight`` is
-        replaced or changed in place). It costs about 1.2x ``qweight``'s bytes (1.33x for Q4_0) besides it."""
-        w = self.qweight
-        key = (id(w), w.data_ptr(), None if w.is_inference() else w._version)
-        cached = self._rows8_cache
-        if cached is None or cached[0] != key:
-            lib = native_library("int8")
-            code = FORMATS[self.fmt]
-            with torch.inference_mode(False):
-                copy = torch.empty(lib.hfq8i_bytes(code, self.out_features, self.in_features), dtype=torch.uint8)
-            rc = lib.hfq8i_repack(w.data_ptr(), code, self.out_features, self.in_features, copy.data_ptr(),
-                                  torch.get_num_threads())
-            assert rc == 0, f"hfq8i_repack failed ({rc})"
-            cached = self._rows8_cache = (key, copy)
-        return cached[1]
+    _rows8_cache: tuple | None = None  # quant_layout.rows8_copy: (key of qweight, its interleaved copy)
 
     def _scales_ptr(self) -> int | None:
         return None if self.scales is None else self.scales.data_ptr()

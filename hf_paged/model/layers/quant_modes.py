@@ -82,7 +82,7 @@ def fastest_mode(layer: QuantLinear, max_rows: int = 64) -> str:
 def _time_modes(layer: QuantLinear, modes: list[str], rows: tuple[int, ...]) -> dict[str, dict[int, float]]:
     # Enough copies of the weight to overflow the caches, called in turn: at one row each call reads its weight
     # from DRAM, as every linear of a decode step does (packed_linear.fastest_kind times the same way).
-    copies = max(4, min(128, -(-packed_linear.cold_bytes() // max(1, layer.nbytes))))
+    copies = packed_linear.cold_copies(layer.nbytes, 4, 128)
     scales = layer.scales
     twins = [QuantLinear(layer.in_features, layer.out_features, layer.fmt, layer.qweight.clone(),
                          None if scales is None else scales.clone()) for _ in range(copies)]

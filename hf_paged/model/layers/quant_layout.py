@@ -1,0 +1,106 @@
+"""Which int8-activation kernel a quantized weight family runs, and the interleaved ("rows8") weight copy.
+
+In ``quant_activations="int8"`` mode a :class:`~hf_paged.model.layers.quant_linear.QuantLinear` runs one of two C
+kernels: ``hfq8_linear`` on the stored GGUF-layout blocks (``csrc/quant_q8.c``; VNNI/AMX where present), or
+``hfq8i_linear`` on a copy of the weight with 8 output rows interleaved (``csrc/quant_q8_rows8.h``; AVX2 without
+VNNI). :func:`rows8_chosen` decides once per process per weight family; :func:`rows8_copy` makes the copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from hf_paged.kernels.cpu.quant_formats import FORMATS, quantize
+
+logger = logging.getLogger(__name__)
+
+ROWS8_ENV = "HF_PAGED_Q8_LAYOUT"  # "rows8" / "blocks": force the int8-mode kernel (default: timed per weight family)
+# the formats whose int8-mode kernel is chosen together, and the format timed for each family. The int8 format
+# (per-row scales, quantized at start) keeps the block kernel: with the rows8 kernel the engine's greedy tokens
+# on an int8-quantized model left stock generate's on the same layers in one test (a 1% logit gap), though each
+# layer matched the reference, every batch split and its joined q/k/v group; not understood yet.
+FAMILIES = {"q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0", "int8": None}
+_chosen: dict[str, bool] = {}
+
+
+def rows8_chosen(fmt: str, lib) -> bool:
+    """Whether int8-mode linears of format ``fmt`` run the rows8 kernel on an interleaved copy of the weight
+    (``csrc/quant_q8_rows8.h``) rather than ``hfq8_linear`` on the stored blocks.
+
+    Decided once per process for each weight family (4-bit: Q4_0/Q4_1; Q8_0), for every batch size
+    (so a row's result does not depend on the batch): by ``HF_PAGED_Q8_LAYOUT`` if set, else by timing both
+    kernels at one and at 32 rows on a default-model-sized weight of the family (kept across runs in
+    :mod:`hf_paged.kernels.cpu.tuning_store`). Without VNNI the rows8 kernel was 2.2-3.7x faster per call on
+    Q4_1 on a Zen 3 host; with VNNI or AMX the block kernel may win, hence the timing. ``lib``: the int8-mode
+    C library in use (a build of ``quant_q8.c``), or None.
+    """
+    family = FAMILIES[fmt]
+    if family is None:
+        return False
+    if family not in _chosen:
+        forced = os.environ.get(ROWS8_ENV, "").strip().lower()
+        if forced not in ("", "rows8", "blocks"):
+            raise ValueError(f"{ROWS8_ENV} must be 'rows8' or 'blocks' (or unset: timed), got {forced!r}")
+        if lib is None or not lib.hfq8i_available():
+            _chosen[family] = False
+        elif forced:
+            _chosen[family] = forced == "rows8"
+        else:
+            _chosen[family] = _time_rows8(lib, family)
+    return _chosen[family]
+
+
+def forget() -> None:
+    """Forget the choices (tests; a changed ``HF_PAGED_Q8_LAYOUT``)."""
+    _chosen.clear()
+
+
+def _time_rows8(lib, fmt: str, out_features: int = 960, in_features: int = 576) -> bool:
+    from hf_paged.kernels.cpu import tuning_store
+    from hf_paged.kernels.cpu.packed_linear import best_round, cold_copies
+
+    key = f"q8-layout:{fmt}:{out_features}x{in_features}"
+    timings = tuning_store.get(key)
+    if timings is None or set(timings) != {"blocks", "rows8"}:
+        g = torch.Generator().manual_seed(0)
+        _, qweight, _ = quantize(torch.randn(out_features, in_features, generator=g), fmt)
+        code, threads = FORMATS[fmt], torch.get_num_threads()
+        blocks = [qweight.clone() for _ in range(cold_copies(qweight.numel(), 4, 64))]
+        weights = {"blocks": blocks, "rows8": [_repack(lib, w, code, out_features, in_features) for w in blocks]}
+        xs = [torch.randn(rows, in_features, generator=g) for rows in (1, 32)]
+        ys = [torch.empty(x.shape[0], out_features) for x in xs]
+        timings = {}
+        for name, fn in (("blocks", lib.hfq8_linear), ("rows8", lib.hfq8i_linear)):
+            calls = [lambda w=w, x=x, y=y: fn(x.data_ptr(), in_features, w.data_ptr(), code, None, None, y.data_ptr(),
+                                              out_features, x.shape[0], out_features, in_features, threads)
+                     for w in weights[name] for x, y in zip(xs, ys)]
+            timings[name] = best_round(calls, 3) * len(xs)  # seconds for one weight at both row counts
+        tuning_store.put(key, timings)
+    chosen = timings["rows8"] < timings["blocks"]
+    logger.info("int8 kernel for %s weights: blocks %.0f us, rows8 %.0f us -> %s", fmt, timings["blocks"] * 1e6,
+                timings["rows8"] * 1e6, "rows8" if chosen else "blocks")
+    return chosen
+
+
+def _repack(lib, w: torch.Tensor, code: int, out_features: int, in_features: int) -> torch.Tensor:
+    with torch.inference_mode(False):  # made inside a step too; kept across steps
+        copy = torch.empty(lib.hfq8i_bytes(code, out_features, in_features), dtype=torch.uint8)
+    rc = lib.hfq8i_repack(w.data_ptr(), code, out_features, in_features, copy.data_ptr(), torch.get_num_threads())
+    assert rc == 0, f"hfq8i_repack failed ({rc})"
+    return copy
+
+
+def rows8_copy(layer, lib) -> torch.Tensor:
+    """The interleaved copy of ``layer.qweight`` (a QuantLinear's) for the rows8 kernel of ``lib``, made on first
+    use and again if ``qweight`` is replaced or changed in place, kept on the layer. It costs about 1.2x
+    ``qweight``'s bytes (1.33x for Q4_0) besides it."""
+    w = layer.qweight
+    key = (id(w), w.data_ptr(), None if w.is_inference() else w._version)
+    cached = layer._rows8_cache
+    if cached is None or cached[0] != key:
+        copy = _repack(lib, w, FORMATS[layer.fmt], layer.out_features, layer.in_features)
+        cached = layer._rows8_cache = (key, copy)
+    return cached[1]
