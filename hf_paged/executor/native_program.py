@@ -295,9 +295,10 @@ class DecodeProgram:
             return ops
 
         def no_slot(*modules: torch.nn.Module) -> None:
-            # the delta ops run the manager's slots: a layer with another slot set runs eagerly (checked per replay)
+            # the delta ops run the manager's slots: a layer whose ``lora`` is other than the manager's hook for it
+            # (which another engine's step on the same model may have set meanwhile) runs eagerly (checked per replay)
             for module in modules:
-                allowed = None if manager is None else manager.slot_of(module)
+                allowed = None if manager is None else manager.hook_of(module)
                 current = getattr(module, "lora", None)
                 if current is not None and current is not allowed:
                     raise _Unfit("a LoRA slot the program does not know is set on a linear layer")
