@@ -72,6 +72,10 @@ def test_chat_page_answers_with_the_chosen_adapter(tmp_path):
         loop.call(lambda e: e.add_lora(request)).result(60)
         demo = ChatDemo(loop, max_tokens=8)
         assert demo.adapters() == ["shout"]
+        page = demo.build()  # the page's drop-down offers the base model and the loaded adapters
+        dropdown = next(b for b in page.blocks.values() if getattr(b, "elem_id", None) == "hfp-adapter")
+        assert [c[1] if isinstance(c, tuple) else c for c in dropdown.choices] == [BASE_CHOICE, "shout"]
+        assert dropdown.visible and dropdown.value == BASE_CHOICE
 
         def answer(adapter: str) -> str:
             *_, (shown, _conv, _box) = demo.respond("hi", [], "", 0.0, 1.0, 8, "s", adapter=adapter)
