@@ -173,3 +173,32 @@ def test_a_hook_runs_only_the_slot_of_the_manager_stepping_in_this_thread(two_ad
         assert seen == {"idle": None, "two": (m2, hook), "after": hook}  # two's end left one's hook on
         assert layer.lora is None and current_manager() is None
         assert m1.slot_of_hook(hook) is m1.slots[name] and m2.slot_of_hook(hook) is m2.slots[name]
+
+
+def test_a_plain_native_engine_keeps_its_program_while_a_lora_engines_hooks_are_set(two_adapters):
+    """A plain engine's native decode program on the same model keeps serving (no re-record, no eager fallback)
+    while a LoRA engine's step has its hooks on the shared layers in another thread, and its tokens stay the base
+    model's: the hooks add nothing outside the LoRA engine's stepping thread."""
+    base, adapters = two_adapters
+    prompt = make_prompts(1, lengths=[12], seed=54)[0]
+    try:
+        plain = PagedGenerator(base, decode_runner="native", prepack_weights="native", num_blocks=32)
+    except ValueError as e:
+        pytest.skip(str(e))
+    with plain, _engine(base, "eager") as lora_engine:
+        lora_engine.add_lora(adapters["one"][0])
+        program = plain.executor.runner.fast
+        plain.generate([prompt], GREEDY, use_tqdm=False)  # recorded before the hooks go on
+        manager = lora_engine.executor.lora
+        outs = []
+        manager.set_step([(1, len(prompt))], torch.device("cpu"))  # the LoRA engine mid-step, in this thread
+        try:
+            assert any(layer.lora is not None for layer in manager._layers.values())
+            runs, records = program.num_runs, program.num_records
+            other = threading.Thread(target=lambda: outs.extend(plain.generate([prompt], GREEDY, use_tqdm=False)))
+            other.start()
+            other.join(120)
+        finally:
+            manager.clear_step()
+        assert outs[0].outputs[0].token_ids == stock_greedy(base, prompt, MAX_TOKENS)
+        assert program.num_runs >= runs + MAX_TOKENS - 1 and program.num_records == records, program.why_not
