@@ -56,3 +56,26 @@ def test_draft_model_runs_base_and_verification_the_adapter(adapter, draft):
         stats = engine.stats()
     assert [o.outputs[0].token_ids for o in outs] == refs
     assert stats.spec_num_draft_tokens > 0  # the draft proposed: verification steps ran with the adapter rows
+
+
+def test_structured_output_rows_keep_their_adapter(tmp_path):
+    """Structured rows (a regex every text matches, so the constraint itself never changes a token) of an
+    adapter and of the base model in one batch: greedy tokens equal PEFT's and the base model's own, so the
+    grammar's steps run each row with its adapter."""
+    pytest.importorskip("xgrammar")
+    from hf_paged import StructuredOutputsParams
+    from tests.serving_helpers import default_tokenizer, tiny_chat_model
+
+    tokenizer = default_tokenizer()
+    model = tiny_chat_model(tokenizer)
+    peft_model = make_adapter(model, tmp_path, seed=33, r=8, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"])
+    req = LoRARequest("s", 1, str(tmp_path))
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in ("Tell me a story about", "hi there")] * 2
+    rows = [peft_model, peft_model, model, model]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                            structured_outputs=StructuredOutputsParams(regex=r"[\s\S]*"))
+    refs = [stock_greedy(m, p, MAX_TOKENS, eos_token_id=tokenizer.eos_token_id) for m, p in zip(rows, prompts)]
+    assert refs[:2] != refs[2:]  # the adapter changes the tokens
+    with PagedGenerator(model, tokenizer, enable_lora=True, max_lora_rank=8, num_blocks=64) as engine:
+        outs = engine.generate(prompts, params, use_tqdm=False, lora_request=[req, req, None, None])
+    assert [o.outputs[0].token_ids for o in outs] == refs
