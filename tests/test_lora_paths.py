@@ -30,7 +30,8 @@ def test_stream_and_add_request_run_the_adapter(adapter):
     refs = [stock_greedy(peft_model, p, MAX_TOKENS) for p in prompts]
     assert refs != [stock_greedy(base, p, MAX_TOKENS) for p in prompts]
     with PagedGenerator(base, enable_lora=True, max_lora_rank=8, num_blocks=48) as engine:
-        streamed = [t for item in engine.stream(prompts[0], GREEDY, lora_request=req) for t in item.outputs[0].token_ids]
+        items = engine.stream(prompts[0], GREEDY, lora_request=req)
+        streamed = [t for item in items for t in item.outputs[0].token_ids]
         assert streamed == refs[0]
         base_stream = [t for item in engine.stream(prompts[0], GREEDY) for t in item.outputs[0].token_ids]
         assert base_stream == stock_greedy(base, prompts[0], MAX_TOKENS)

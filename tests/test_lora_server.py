@@ -32,6 +32,7 @@ def test_load_pick_list_unload_and_metrics(tmp_path):
         assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
         cards = {m["id"]: m for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
         assert cards["upper"]["parent"] == TINY_NAME and "b" not in cards
+        assert cards["upper"]["root"] == str(tmp_path / "upper") and cards[TINY_NAME].get("parent") is None
 
         out = httpx.post(url + "/v1/completions", json={**body, "model": "upper"}, timeout=60).json()
         base = httpx.post(url + "/v1/completions", json={**body, "model": TINY_NAME}, timeout=60).json()
