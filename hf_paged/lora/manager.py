@@ -8,8 +8,9 @@
   once, so one step never needs more.
 
 Per step the model runner calls :meth:`set_step` with each scheduled sequence's adapter and token count (the
-slots then sit on the layers the step's adapters adapt, and read :attr:`plan`), runs the forward, then
-:meth:`clear_step`.
+layers the step's adapters adapt then carry their shared hook, :mod:`hf_paged.lora.hooks`, which runs this
+manager's slots in this thread; the slots read :attr:`plan`), runs the forward, then :meth:`clear_step`. Several
+managers (engines) on one model share the layers and their hooks, each stepping in its own thread if need be.
 """
 
 from __future__ import annotations
