@@ -63,10 +63,23 @@ def _break(folder, how):
         config.write_text("{not json")
     elif how == "garbage weights":
         weights.write_bytes(b"\x00garbage" * 10)
-    elif how == "lm_head target":
+    elif how in ("lm_head target", "embed_tokens target"):
         data = json.loads(config.read_text())
-        data["target_modules"] = ["q_proj", "lm_head"]
+        data["target_modules"] = ["q_proj", how.split()[0]]
         config.write_text(json.dumps(data))
+    else:  # the weights file's keys changed
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(weights))
+        key = next(k for k in sorted(tensors) if "lora_B" in k)
+        tensor = tensors.pop(key)
+        if how == "absent module":  # a module the base model lacks
+            a_key = key.replace("lora_B", "lora_A")
+            for k, t in ((key, tensor), (a_key, tensors.pop(a_key))):
+                tensors[k.replace("q_proj", "x_proj")] = t
+        elif how == "embedding weights":
+            tensors[key.replace("q_proj.lora_B", "embed_tokens.lora_embedding_B")] = tensor
+        save_file(tensors, str(weights))  # "missing lora_B": the popped key left out
 
 
 @pytest.mark.parametrize("how, words", [
@@ -74,6 +87,10 @@ def _break(folder, how):
     ("bad json", ["adapter_config.json", "unreadable"]),
     ("garbage weights", ["adapter_model.safetensors", "unreadable"]),
     ("lm_head target", ["adapter_config.json", "lm_head"]),
+    ("embed_tokens target", ["adapter_config.json", "embed_tokens", "not supported"]),
+    ("embedding weights", ["adapter_model.safetensors", "embedding adapters", "not supported"]),
+    ("absent module", ["adapter_model.safetensors", "x_proj", "target module not present"]),
+    ("missing lora_B", ["adapter_model.safetensors", "q_proj has no lora_B"]),
 ])
 def test_broken_folder_is_a_clear_error_and_the_engine_keeps_serving(base, good, tmp_path, how, words):
     make_adapter(base, tmp_path, seed=3, r=4, target_modules=["q_proj"])

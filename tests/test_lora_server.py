@@ -32,6 +32,7 @@ def test_load_pick_list_unload_and_metrics(tmp_path):
         assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
         cards = {m["id"]: m for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
         assert cards["upper"]["parent"] == TINY_NAME and "b" not in cards
+        assert cards["upper"]["root"] == str(tmp_path / "upper") and cards[TINY_NAME].get("parent") is None
 
         out = httpx.post(url + "/v1/completions", json={**body, "model": "upper"}, timeout=60).json()
         base = httpx.post(url + "/v1/completions", json={**body, "model": TINY_NAME}, timeout=60).json()
@@ -72,6 +73,10 @@ def test_chat_page_answers_with_the_chosen_adapter(tmp_path):
         loop.call(lambda e: e.add_lora(request)).result(60)
         demo = ChatDemo(loop, max_tokens=8)
         assert demo.adapters() == ["shout"]
+        page = demo.build()  # the page's drop-down offers the base model and the loaded adapters
+        dropdown = next(b for b in page.blocks.values() if getattr(b, "elem_id", None) == "hfp-adapter")
+        assert [c[1] if isinstance(c, tuple) else c for c in dropdown.choices] == [BASE_CHOICE, "shout"]
+        assert dropdown.visible and dropdown.value == BASE_CHOICE
 
         def answer(adapter: str) -> str:
             *_, (shown, _conv, _box) = demo.respond("hi", [], "", 0.0, 1.0, 8, "s", adapter=adapter)
@@ -88,3 +93,42 @@ def test_chat_page_answers_with_the_chosen_adapter(tmp_path):
         choice = SamplingParams(max_tokens=8, temperature=0.0,
                                 structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
         assert loop.add_request(prompt, choice, lora_request=request).result(60).outputs[0].text in ("yes", "no")
+
+
+def test_unload_while_a_request_uses_the_adapter_is_a_400(tmp_path):
+    """The engine's next step is held while a request of the adapter is admitted: unloading it then is a 400 that
+    says it is in use, the request still finishes, and afterwards the unload goes through."""
+    import threading
+    import time
+
+    tokenizer = default_tokenizer()
+    model = tiny_chat_model(tokenizer)
+    make_adapter(model, tmp_path, seed=35, r=4, target_modules=["q_proj"])
+    body = {"prompt": make_prompts(1, lengths=[8], seed=6)[0], "max_tokens": 4, "temperature": 0, "model": "a"}
+    with serve(model, tokenizer, TINY_NAME, enable_lora=True, max_lora_rank=8, num_blocks=64) as (url, loop):
+        load = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(tmp_path)},
+                          timeout=60)
+        assert load.status_code == 200, load.text
+        engine, release, done = loop.engine, threading.Event(), {}
+        step = engine.step
+
+        def held_step():
+            release.wait(60)
+            return step()
+
+        engine.step = held_step
+        worker = threading.Thread(target=lambda: done.update(r=httpx.post(url + "/v1/completions", json=body,
+                                                                          timeout=120)))
+        worker.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not engine.scheduler.sequences and time.monotonic() < deadline:
+                time.sleep(0.02)
+            busy = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "a"}, timeout=30)
+        finally:
+            release.set()
+            worker.join(120)
+        assert busy.status_code == 400 and "in use by 1" in busy.json()["error"]["message"], busy.text
+        assert done["r"].status_code == 200, done["r"].text
+        gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "a"}, timeout=30)
+        assert gone.status_code == 200, gone.text

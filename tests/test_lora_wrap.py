@@ -56,3 +56,29 @@ def test_wrapped_peft_model_generates_in_the_engine(peft_model):
         hf_paged.unwrap(peft_model)
     with torch.no_grad():
         assert torch.equal(peft_model.generate(input_ids=prompts, adapter_names=names, **kw), ref_mixed)
+
+
+def test_wrapped_model_with_load_adapter_generates_in_the_engine(tmp_path):
+    """A transformers model given an adapter with ``load_adapter`` (no PeftModel): ``generate`` with its active
+    adapter runs in the engine (PEFT's own layers add the delta around the engine's linears) and equals the
+    model's own generate; ``adapter_names`` needs a PeftModel (transformers' generate refuses it as well)."""
+    from tests.test_lora import make_adapter
+
+    base = copy.deepcopy(make_model("llama"))
+    peft_model = make_adapter(base, tmp_path, seed=5, r=4, target_modules=["q_proj", "v_proj"])
+    model = copy.deepcopy(make_model("llama"))
+    model.load_adapter(str(tmp_path), adapter_name="x")
+    prompts = torch.tensor(make_prompts(2, lengths=[12, 12], seed=6))
+    kw = dict(attention_mask=torch.ones_like(prompts), **KW)
+    with torch.no_grad():
+        ref = model.generate(prompts, **kw)
+        assert torch.equal(ref, peft_model.generate(input_ids=prompts, **kw))
+        assert not torch.equal(ref, base.generate(prompts, **kw))  # the adapter changes the tokens
+    hf_paged.wrap(model, num_blocks=64)
+    try:
+        engine = model.paged
+        steps = engine.num_steps
+        assert torch.equal(model.generate(prompts, **kw), ref)
+        assert engine.num_steps > steps  # the engine ran it (no fallback to stock generate)
+    finally:
+        hf_paged.unwrap(model)

@@ -42,6 +42,7 @@ from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
 from hf_paged.executor.quant_program import QuantEmbedding, QuantLinear, QuantOp, quant_group
 from hf_paged.model.layers.parallel import linear_of
 from hf_paged.executor.program_ops import Copy as _Copy, Delta as _Delta, Finish as _Finish, Linear as _Linear
+from hf_paged.lora.hooks import hook_of as lora_hook
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class DecodeProgram:
         self._head_op = -1  # index of the LM head's GEMM in _ops (skipped when no row is sampled)
         self._lora_ops: list = []  # _ops with the LoRA delta ops (a step with adapter rows)
         self._lora_head_op = -1
-        self._lora_checks: list = []  # (layer, its manager slot): its ``lora`` must be None or that slot
+        self._lora_checks: list = []  # (layer, its shared LoRA hook): its ``lora`` must be None or that hook
         self._groups: list = []
         self.logits_capacity = 0
         self._rows, self._sampled = ctypes.c_int(0), ctypes.c_int(0)
@@ -295,9 +296,11 @@ class DecodeProgram:
             return ops
 
         def no_slot(*modules: torch.nn.Module) -> None:
-            # the delta ops run the manager's slots: a layer with another slot set runs eagerly (checked per replay)
+            # the delta ops run the manager's slots (none: a plain engine): a layer whose ``lora`` is other than its
+            # shared LoRA hook runs eagerly (checked per replay). The hook, which another engine's adapter step on
+            # the same model may set meanwhile, is fine: it adds deltas only in that engine's stepping thread
             for module in modules:
-                allowed = None if manager is None else manager.slot_of(module)
+                allowed = lora_hook(module)
                 current = getattr(module, "lora", None)
                 if current is not None and current is not allowed:
                     raise _Unfit("a LoRA slot the program does not know is set on a linear layer")

@@ -1,16 +1,19 @@
 """Where the slots go: the engine's linear layer objects (:func:`hf_paged.model.layers.linear.engine_linears`).
 
-Every engine linear ends its forward with ``y = self.lora(x, y)`` where ``lora`` is set. The manager sets the
-slot only on the layers that the step's adapters adapt, and only for that step's forward
-(:meth:`~hf_paged.lora.manager.LoRAManager.set_step`): between adapter steps every ``lora`` is None, so a
-base-only step runs exactly as without LoRA. The native decode program and the decode buckets serve adapter
-steps too: the program with delta ops it records, the buckets (static, CUDA graphs) with every slot holding adapter
-tensors set for their replay (:meth:`~hf_paged.lora.manager.LoRAManager.begin_static_step`).
+Every engine linear ends its forward with ``y = self.lora(x, y)`` where ``lora`` is set. The manager sets it
+only on the layers that the step's adapters adapt, and only for that step's forward
+(:meth:`~hf_paged.lora.manager.LoRAManager.set_step`), to the layer's shared hook
+(:class:`~hf_paged.lora.hooks.LayerHook`), which runs the slot of the manager stepping in the calling thread:
+so several engines with adapters may share one model, even stepping at once in different threads. Between
+adapter steps every ``lora`` is None, so a base-only step runs exactly as without LoRA (the native decode
+program and decode buckets, which refuse an unknown ``lora``, keep serving those steps). The native decode
+program serves adapter steps with delta ops it records, the decode buckets (static, CUDA graphs) with every
+linear holding adapter tensors hooked for their replay
+(:meth:`~hf_paged.lora.manager.LoRAManager.begin_static_step`).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -18,9 +21,6 @@ import torch
 from hf_paged.lora.loading import REFUSED_TARGETS
 from hf_paged.lora.manager import LoRAManager
 from hf_paged.model.layers.linear import engine_linears
-
-# model -> the manager whose slots its layers take (the layer objects are shared by the engines on a model)
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def adaptable_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -34,20 +34,14 @@ def adaptable_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def attach_slots(model: torch.nn.Module, manager: LoRAManager) -> Callable[[], None]:
-    """Give ``manager`` the engine linear layers of ``model`` whose ``lora`` it sets per step; returns the undo
-    (every slot back to None). Raises ValueError if another engine serves adapters on the same model (the layer
-    objects are shared by the engines on a model)."""
-    owner = _OWNERS.get(model)
-    if owner is not None and owner is not manager:
-        raise ValueError("another engine on this model serves LoRA adapters (enable_lora); close it first, or give "
-                         "this engine its own copy of the model")
+    """Give ``manager`` the engine linear layers of ``model`` whose ``lora`` it sets per step; returns the undo.
+    Several engines with adapters may attach to one model (they share its layer objects): each step sets the
+    layers' shared hooks (:mod:`hf_paged.lora.hooks`), which run the slots of the manager stepping in the calling
+    thread only."""
     manager.bind(adaptable_linears(model))
-    _OWNERS[model] = manager
 
     def detach() -> None:
         manager.clear_step()
         manager.bind({})
-        if _OWNERS.get(model) is manager:
-            del _OWNERS[model]
 
     return detach

@@ -8,10 +8,12 @@
   once, so one step never needs more.
 
 Per step the model runner calls :meth:`set_step` with each scheduled sequence's adapter and token count (the
-slots then sit on the layers the step's adapters adapt, and read :attr:`plan`), runs the forward, then
-:meth:`clear_step`. A decode bucket (static buffers, CUDA graphs) wraps its replay in :meth:`begin_static_step`
-and :meth:`end_static_step`: the rows' slots go into its static index buffer, and every linear with adapter
-tensors gets its slot for that replay.
+layers the step's adapters adapt then carry their shared hook, :mod:`hf_paged.lora.hooks`, which runs this
+manager's slots in this thread; the slots read :attr:`plan`), runs the forward, then :meth:`clear_step`. Several
+managers (engines) on one model share the layers and their hooks, each stepping in its own thread if need be.
+A decode bucket (static buffers, CUDA graphs) wraps its replay in :meth:`begin_static_step` and
+:meth:`end_static_step`: the rows' slots go into its static index buffer, and every linear with adapter tensors
+carries its hook for that replay.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
+from hf_paged.lora.hooks import LayerHook, current_manager, hook_of, set_current_manager
 from hf_paged.lora.loading import LoRALayerWeights, LoRAWeights, load_lora
 from hf_paged.lora.request import LoRARequest
 from hf_paged.lora.slots import LoRASlot, StepPlan, plan_step
@@ -68,10 +71,14 @@ class LoRAManager:
         self.plan: StepPlan | None = None
         self.kernel_backend = "auto"  # the per-token kernels' backend (hf_paged.kernels.lora)
         self.per_token: bool | None = None  # eager steps' plans per token (kernels); None: on CUDA only
-        self._static_set: list[torch.nn.Module] = []  # layers given their slot by begin_static_step only
+        self._static_entered: list = []  # hooks put on by begin_static_step only
         self._layers: dict[str, torch.nn.Module] = {}  # the engine layers whose ``lora`` a step sets (bind)
-        self._set: list[torch.nn.Module] = []  # the layers with their slot set for this step
+        self._hooks: dict[str, LayerHook] = {}  # their shared hooks (one per layer, whatever the engines)
+        self._entered: list[LayerHook] = []  # the hooks this step put on their layers
+        self._previous = None  # the thread's current manager before this step (restored after)
         self._slot_by_layer: dict[int, LoRASlot] = {}
+        self._slot_by_hook: dict[int, tuple[LayerHook, LoRASlot]] = {}
+        self._hook_by_layer: dict[int, tuple[torch.nn.Module, LayerHook]] = {}
 
     # -- adapters -------------------------------------------------------------------------------------
     def add(self, request: LoRARequest) -> bool:
@@ -147,22 +154,32 @@ class LoRAManager:
         token_slots: list[int] = []
         for lora_id, n in rows:
             token_slots.extend([slot_of[lora_id] if lora_id else -1] * n)
+        self._leave()  # (a step set twice without clear_step: the hooks of the first come off)
         self.plan = plan_step(token_slots, device, self.per_token, self.kernel_backend)
-        # the slot goes on the layers this step's adapters adapt, and comes off after the forward
+        # the layers this step's adapters adapt get their shared hook, which runs this manager's slot in this
+        # thread only (other engines on the model may step in other threads meanwhile); off after the forward
+        self._previous = set_current_manager(self)
         names = set().union(*(self._slot_names[slot] for slot in slot_of.values()))
-        for name in names:
-            layer = self._layers.get(name)
-            if layer is not None:
-                layer.lora = self.slots[name]
-                self._set.append(layer)
+        for name in sorted(names):
+            hook = self._hooks.get(name)
+            if hook is not None:
+                hook.enter()
+                self._entered.append(hook)
 
     def clear_step(self) -> None:
-        """After the step's forward: no plan, every slot off the layers again."""
+        """After the step's forward: no plan, this step's hooks off the layers (unless another engine's step
+        still needs them)."""
         self.plan = None
-        for layer in self._set + self._static_set:
-            layer.lora = None
-        self._set.clear()
-        self._static_set.clear()
+        self._leave()
+
+    def _leave(self) -> None:
+        self._leave_static()
+        for hook in self._entered:
+            hook.leave()
+        if self._entered or current_manager() is self:
+            set_current_manager(self._previous)
+            self._previous = None
+        self._entered.clear()
 
     @property
     def generation(self) -> int:
@@ -174,9 +191,9 @@ class LoRAManager:
     def begin_static_step(self, index: torch.Tensor) -> StepPlan:
         """Run the current step's adapter rows from ``index`` (a decode bucket's static int32 buffer, its padded
         row count long): the rows' slots are copied in, padding rows get ``-1``, and the plan becomes a static
-        ``"tokens"`` plan over every linear that has adapter tensors (a captured graph then holds each one's
-        kernels, whichever adapters later steps mix). Returns the step's own plan, for
-        :meth:`end_static_step`."""
+        ``"tokens"`` plan over every linear that has adapter tensors (each carries its hook for the replay: a
+        captured graph then holds every one's kernels, whichever adapters later steps mix). Returns the step's
+        own plan, for :meth:`end_static_step`."""
         plan = self.plan
         n = len(plan.token_slots)
         if n > index.numel():
@@ -185,29 +202,48 @@ class LoRAManager:
         index[n:].fill_(-1)
         self.plan = StepPlan(index.numel(), "tokens", plan.segments, token_slots=plan.token_slots,
                              token_index=index, static=True, backend=self.kernel_backend)
-        for name, layer in self._layers.items():
-            slot = self.slots.get(name)
-            if slot is not None and slot.a is not None and layer.lora is None:
-                layer.lora = slot
-                self._static_set.append(layer)
+        entered = {id(hook) for hook in self._entered}
+        for name, hook in self._hooks.items():
+            if self.slots[name].a is not None and id(hook) not in entered:
+                hook.enter()
+                self._static_entered.append(hook)
         return plan
 
     def end_static_step(self, plan: StepPlan) -> None:
         """Undo :meth:`begin_static_step`: the step's own plan back (an eager forward may still serve the step),
-        the extra slots off their layers."""
+        the extra hooks off their layers (unless another engine's step needs them)."""
         self.plan = plan
-        for layer in self._static_set:
-            layer.lora = None
-        self._static_set.clear()
+        self._leave_static()
+
+    def _leave_static(self) -> None:
+        for hook in self._static_entered:
+            hook.leave()
+        self._static_entered.clear()
 
     def bind(self, layers: dict[str, torch.nn.Module]) -> None:
-        """The layer objects whose ``lora`` :meth:`set_step` sets (:func:`~hf_paged.lora.attach.attach_slots`)."""
-        self._layers = dict(layers)
-        self._slot_by_layer = {id(layer): self.slots[name] for name, layer in self._layers.items() if name in self.slots}
+        """The layer objects whose ``lora`` :meth:`set_step` sets (:func:`~hf_paged.lora.attach.attach_slots`),
+        through each layer's one :class:`~hf_paged.lora.hooks.LayerHook` (shared with other engines' managers)."""
+        self._layers = {name: layer for name, layer in layers.items() if name in self.slots}
+        self._hooks = {name: hook_of(layer) for name, layer in self._layers.items()}
+        self._slot_by_layer = {id(layer): self.slots[name] for name, layer in self._layers.items()}
+        # keyed by id, the object kept beside it: a lookup is one dict get and one identity check
+        self._slot_by_hook = {id(hook): (hook, self.slots[name]) for name, hook in self._hooks.items()}
+        self._hook_by_layer = {id(layer): (layer, self._hooks[name]) for name, layer in self._layers.items()}
+
+    def slot_of_hook(self, hook: LayerHook) -> LoRASlot | None:
+        """This manager's slot for the layer of ``hook`` (None: a layer it does not adapt)."""
+        entry = self._slot_by_hook.get(id(hook))
+        return entry[1] if entry is not None and entry[0] is hook else None
+
+    def hook_of(self, layer: torch.nn.Module) -> LayerHook | None:
+        """What a step sets as ``layer.lora`` (its shared hook), or None where this manager does not bind it:
+        the native decode program accepts a layer whose ``lora`` is None or this."""
+        entry = self._hook_by_layer.get(id(layer))
+        return entry[1] if entry is not None and entry[0] is layer else None
 
     def slot_of(self, layer: torch.nn.Module) -> LoRASlot | None:
-        """The slot a step sets on the bound layer object ``layer`` (None: not one this manager adapts); the
-        native decode program runs it from its delta ops."""
+        """This manager's slot for the bound layer object ``layer`` (None: not one it adapts); the native decode
+        program runs it from its delta ops."""
         slot = self._slot_by_layer.get(id(layer))
         return slot if slot is not None and any(m is layer for m in self._layers.values()) else None
 
