@@ -13,6 +13,12 @@ Rows are grouped by adapter (the step's :class:`StepPlan`, made once per step) i
   ``index_add_``: five torch calls per linear whatever the number of adapters;
 - ``"segments"``: the rows gathered once, a pair of matmuls per slot (when padding would waste too much).
 
+On the CPU, for fp32 and bf16 slots, every layout is one call of our C kernel instead
+(:mod:`hf_paged.kernels.cpu.lora_ops`, "bgmv": per token, its slot's ``A`` then ``B``, only to the slot's
+rank): it reads the step's per-token slot index (:attr:`StepPlan.token_slot`, made once per step), the batch
+rows themselves (no gather) and adds into ``y`` in place; the torch layouts above serve CUDA, other dtypes and
+builds without the kernel.
+
 :meth:`StepPlan.inputs` and :meth:`LoRASlot.add_delta` split the gather from the rest, so a caller whose
 linears share an input (the native decode program's q/k/v and gate/up groups) gathers it once.
 """
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_paged.kernels.cpu import lora_ops
 from hf_paged.lora.loading import LoRALayerWeights
 
 MAX_RUNS = 8  # up to this many runs of adapter rows may be computed in place ...
@@ -48,6 +55,8 @@ class StepPlan:
     length: int = 0
     index: torch.Tensor | None = None
     valid: list[float] = field(default_factory=list)
+    # CPU steps: int32 [num_tokens], each row's slot (-1: base), for the C kernel (None on other devices)
+    token_slot: torch.Tensor | None = None
     _scales: dict = field(default_factory=dict, repr=False)
     # the thread running the step's forward: engines on one model share its layer objects, and another engine's
     # forward in another thread must not pick up this step's slots
@@ -57,9 +66,19 @@ class StepPlan:
     def num_rows(self) -> int:
         return self.segments[-1][2]
 
+    def kernel(self, dtype: torch.dtype) -> bool:
+        """Whether slots of ``dtype`` add this step's deltas with the CPU kernel (then every layout reads the
+        batch rows as they are)."""
+        return self.token_slot is not None and kernel_ok(dtype)
+
     def inputs(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What :meth:`LoRASlot.add_delta` reads for the step's rows of ``x2`` ``[num_tokens, in]``: ``x2``
-        itself (runs), its gathered rows (segments) or ``[slots, length, in]`` (padded), in ``dtype``."""
+        itself (runs, or the CPU kernel), its gathered rows (segments) or ``[slots, length, in]`` (padded), in
+        ``dtype``."""
+        return x2.to(dtype) if self.kernel(dtype) else self.torch_inputs(x2, dtype)
+
+    def torch_inputs(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`inputs` as the torch layouts read them (whether or not the kernel serves the step)."""
         if self.layout == "runs":
             return x2.to(dtype)
         # index_select gathers in one copy (advanced indexing is far slower on CPU)
@@ -78,8 +97,27 @@ class StepPlan:
         return t
 
 
+USE_KERNEL = True  # False: the torch layouts on the CPU too (to compare the two)
+_KERNEL_OK: dict[torch.dtype, bool] = {}
+
+
+def kernel_ok(dtype: torch.dtype) -> bool:
+    """Whether the CPU LoRA kernel serves slots of ``dtype`` (built and probed here, :data:`USE_KERNEL`)."""
+    ok = _KERNEL_OK.get(dtype)
+    if ok is None:  # the probe builds the library once; its answer is kept for the process
+        ok = _KERNEL_OK[dtype] = lora_ops.available(dtype)
+    return ok and USE_KERNEL
+
+
 def plan_step(token_slots: list[int], device: torch.device) -> StepPlan | None:
     """Group rows by slot (``-1``: base). None when no row has an adapter: the slots then cost nothing."""
+    plan = _plan_layout(token_slots, device)
+    if plan is not None and torch.device(device).type == "cpu":
+        plan.token_slot = torch.tensor(token_slots, dtype=torch.int32)
+    return plan
+
+
+def _plan_layout(token_slots: list[int], device: torch.device) -> StepPlan | None:
     runs: list[tuple[int, int, int]] = []
     for row, slot in enumerate(token_slots):
         if slot < 0:
@@ -136,6 +174,9 @@ class LoRASlot:
         self.b: torch.Tensor | None = None
         self.ranks = [0] * max_loras  # 0: the adapter in this slot leaves this linear alone
         self.scales = [0.0] * max_loras
+        # the same as tensors the C kernel reads (updated in place: a recorded call keeps their addresses)
+        self.ranks_t = torch.zeros(max_loras, dtype=torch.int32)
+        self.scales_t = torch.zeros(max_loras, dtype=torch.float32)
 
     def set(self, slot: int, weights: LoRALayerWeights | None) -> None:
         """Make ``slot`` hold ``weights`` for this linear (None: the slot's adapter does not adapt it)."""
@@ -146,6 +187,7 @@ class LoRASlot:
     def _set(self, slot: int, weights: LoRALayerWeights | None) -> None:
         if weights is None:
             self.ranks[slot], self.scales[slot] = 0, 0.0
+            self.ranks_t[slot], self.scales_t[slot] = 0, 0.0
             if self.a is not None:  # zeros: the padded layout runs every step's slots through one bmm
                 self.a[slot].zero_()
                 self.b[slot].zero_()
@@ -159,6 +201,7 @@ class LoRASlot:
         self.a[slot, :r].copy_(weights.a)
         self.b[slot, :, :r].copy_(weights.b)
         self.ranks[slot], self.scales[slot] = r, weights.scale
+        self.ranks_t[slot], self.scales_t[slot] = r, weights.scale
 
     def active(self, plan: StepPlan | None) -> bool:
         """Whether this step adds anything here: a plan, and one of its adapters adapts this linear."""
@@ -174,14 +217,34 @@ class LoRASlot:
         if x2.shape[0] != plan.num_tokens:
             return y  # a forward over other rows (a draft model's, a probe): it runs the base model
         out = y.reshape(-1, self.out_features)
-        if torch.is_grad_enabled() and y.requires_grad:  # else y is the layer's fresh output: added in place
+        if torch.is_grad_enabled() and (y.requires_grad or x.requires_grad):
+            # a forward that keeps a graph (the C kernel has no backward): torch ops on a copy of y
             out = out.clone()
-        self.add_delta(plan, plan.inputs(x2, self.dtype), out)
+            self._torch_delta(plan, plan.torch_inputs(x2, self.dtype), out)
+            return out.view(y.shape)
+        self.add_delta(plan, plan.inputs(x2, self.dtype), out)  # y is the layer's fresh output: added in place
         return out.view(y.shape)
 
     def add_delta(self, plan: StepPlan, xs: torch.Tensor, out: torch.Tensor) -> None:
         """Add the step's deltas into ``out`` ``[num_tokens, out]`` (in place; a column view is fine), from
         ``xs = plan.inputs(x2, self.dtype)``. The caller checked :meth:`active`."""
+        if plan.kernel(self.dtype):
+            self._kernel_delta(plan, xs, out)
+        else:
+            self._torch_delta(plan, xs, out)
+
+    def _kernel_delta(self, plan: StepPlan, xs: torch.Tensor, out: torch.Tensor) -> None:
+        # one C call for every row of the step (xs: the batch rows, not gathered)
+        direct = out.dtype == self.dtype and out.stride(-1) == 1
+        y = out if direct else torch.zeros(out.shape, dtype=self.dtype)
+        if xs.stride(-1) != 1:
+            xs = xs.contiguous()
+        lora_ops.call(y, xs, self.a, self.b, plan.token_slot, self.scales_t, self.ranks_t, torch.get_num_threads())
+        if not direct:
+            out += y.to(out.dtype)
+
+    def _torch_delta(self, plan: StepPlan, xs: torch.Tensor, out: torch.Tensor) -> None:
+        # xs: plan.torch_inputs(...); CUDA (and a future kernel there) and dtypes the C kernel does not take
         if plan.layout == "runs":
             for slot, start, end in plan.segments:
                 r = self.ranks[slot]
