@@ -17,8 +17,8 @@ from hf_paged.model.layers.parallel import ParallelLinear
 def lora_delta_ops(manager, x: torch.Tensor, targets: list, rows: ctypes.c_int, token_slot: ctypes.c_void_p,
                    threads: int) -> list:
     """The ops adding the LoRA deltas of ``targets`` (``(slot, y)``: a member's slot and its output columns) from
-    their shared input ``x``: per slot the CPU kernel takes, one C call (``hfp_lora_bgmv`` over the slot's
-    stacked A and B, reading the step's per-token slot index from the ``token_slot`` cell and the row count from
+    their shared input ``x``: per slot the CPU kernel takes, one C call (``hfp_lora_bgmv_call`` over the slot's
+    stacked A and transposed B, reading the step's per-token slot index from the ``token_slot`` cell and the row count from
     ``rows``, ~1 us at batch 1); one :class:`Delta` for the others. A slot without tensors yet (no adapter of it
     resident) gets no op: the program watches its ``a`` and records again once it has one."""
     calls, rest = [], []
@@ -28,11 +28,8 @@ def lora_delta_ops(manager, x: torch.Tensor, targets: list, rows: ctypes.c_int, 
         if not (slot.dtype == x.dtype == y.dtype and x.device.type == "cpu" and lora_slots.kernel_ok(slot.dtype)):
             rest.append((slot, y))
             continue
-        fn = lora_ops.LIBRARY.load().hfp_lora_bgmv
-        calls.append((fn, (x.data_ptr(), x.stride(0), slot.a.data_ptr(), slot.b.data_ptr(), token_slot,
-                           slot.scales_t.data_ptr(), slot.ranks_t.data_ptr(), y.data_ptr(), y.stride(0), rows,
-                           slot.max_loras, slot.in_features, slot.out_features, slot.max_rank,
-                           lora_ops.DTYPES[slot.dtype], threads)))
+        calls.append(lora_ops.replay_call(x[:, : slot.in_features], y, slot.a, slot.bt, slot.scales_t, slot.ranks_t,
+                                          threads, token_slot, rows))
     return calls + ([(Delta(manager, x, rest, rows), ())] if rest else [])
 
 

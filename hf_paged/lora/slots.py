@@ -69,7 +69,7 @@ class StepPlan:
     def kernel(self, dtype: torch.dtype) -> bool:
         """Whether slots of ``dtype`` add this step's deltas with the CPU kernel (then every layout reads the
         batch rows as they are)."""
-        return self.token_slot is not None and kernel_ok(dtype)
+        return self.token_slot is not None and kernel_ok(dtype)  # CPU plans only: their slots have bt
 
     def inputs(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What :meth:`LoRASlot.add_delta` reads for the step's rows of ``x2`` ``[num_tokens, in]``: ``x2``
@@ -98,15 +98,11 @@ class StepPlan:
 
 
 USE_KERNEL = True  # False: the torch layouts on the CPU too (to compare the two)
-_KERNEL_OK: dict[torch.dtype, bool] = {}
 
 
 def kernel_ok(dtype: torch.dtype) -> bool:
     """Whether the CPU LoRA kernel serves slots of ``dtype`` (built and probed here, :data:`USE_KERNEL`)."""
-    ok = _KERNEL_OK.get(dtype)
-    if ok is None:  # the probe builds the library once; its answer is kept for the process
-        ok = _KERNEL_OK[dtype] = lora_ops.available(dtype)
-    return ok and USE_KERNEL
+    return USE_KERNEL and lora_ops.available(dtype)
 
 
 def plan_step(token_slots: list[int], device: torch.device) -> StepPlan | None:
@@ -172,6 +168,9 @@ class LoRASlot:
         self.device, self.dtype = device, dtype
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
+        # on the CPU B is stored transposed, bt [max_loras, max_rank, out] (the kernel's layout), and ``b`` is a
+        # view of it: one copy of the weights for both paths
+        self.bt: torch.Tensor | None = None
         self.ranks = [0] * max_loras  # 0: the adapter in this slot leaves this linear alone
         self.scales = [0.0] * max_loras
         # the same as tensors the C kernel reads (updated in place: a recorded call keeps their addresses)
@@ -194,7 +193,12 @@ class LoRASlot:
             return
         if self.a is None:
             self.a = torch.zeros(self.max_loras, self.max_rank, self.in_features, device=self.device, dtype=self.dtype)
-            self.b = torch.zeros(self.max_loras, self.out_features, self.max_rank, device=self.device, dtype=self.dtype)
+            if torch.device(self.device).type == "cpu":
+                self.bt = torch.zeros(self.max_loras, self.max_rank, self.out_features, dtype=self.dtype)
+                self.b = self.bt.transpose(1, 2)
+            else:
+                self.b = torch.zeros(self.max_loras, self.out_features, self.max_rank, device=self.device,
+                                     dtype=self.dtype)
         r = weights.rank
         self.a[slot].zero_()
         self.b[slot].zero_()
@@ -239,7 +243,7 @@ class LoRASlot:
         y = out if direct else torch.zeros(out.shape, dtype=self.dtype)
         if xs.stride(-1) != 1:
             xs = xs.contiguous()
-        lora_ops.call(y, xs, self.a, self.b, plan.token_slot, self.scales_t, self.ranks_t, torch.get_num_threads())
+        lora_ops.call(y, xs, self.a, self.bt, plan.token_slot, self.scales_t, self.ranks_t, torch.get_num_threads())
         if not direct:
             out += y.to(out.dtype)
 
