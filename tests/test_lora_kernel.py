@@ -155,3 +155,26 @@ def test_engine_uses_the_kernel(tmp_path, torch_path_raises, runner):
         else:
             assert torch_path_raises["n"] > 0  # the slots called the kernel's wrapper
     assert [o.outputs[0].token_ids for o in outs] == refs
+
+
+def test_portable_build_matches_reference():
+    """The kernel's plain C loop (built without AVX2/FMA, as on CPUs without them) against the reference."""
+    from hf_paged.kernels.cpu.native import NativeLibrary
+
+    portable = NativeLibrary("lora_cpu.c", {"hfp_lora_bgmv": lora_ops.LIBRARY.functions["hfp_lora_bgmv"]},
+                             extra_flags=("-ffp-contract=off", "-mno-avx2", "-mno-fma"), what="portable LoRA kernel")
+    lib = portable.load()
+    if lib is None:
+        pytest.skip(portable.why)
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b, scales, ranks = stacked(3, 12, 29, 35, [3, 12, 7], dtype, seed=2)
+        x = torch.randn(5, 29).to(dtype)
+        y = torch.randn(5, 35).to(dtype)
+        token_slot = torch.tensor([2, -1, 0, 1, 2], dtype=torch.int32)
+        want = lora_ops.reference(y, x, a, b, token_slot, scales, ranks)
+        rc = lib.hfp_lora_bgmv(x.data_ptr(), x.stride(0), a.data_ptr(), b.data_ptr(), token_slot.data_ptr(),
+                               scales.data_ptr(), ranks.data_ptr(), y.data_ptr(), y.stride(0), 5, 3, 29, 35, 12,
+                               lora_ops.DTYPES[dtype], 1)
+        assert rc == 0
+        tol = 1e-4 if dtype == torch.float32 else 2 ** -7
+        assert (y.double() - want).abs().max().item() <= tol * want.abs().max().item()
