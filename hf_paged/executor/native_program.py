@@ -18,10 +18,11 @@ and falls back to the eager forward for everything else, and while a module hook
 registered; it records itself again when something it recorded changed (:meth:`DecodeProgram._valid`).
 
 With multi-LoRA (``lora``: the engine's :class:`~hf_paged.lora.manager.LoRAManager`) the program records two
-call lists: the base one, and the same calls with a LoRA delta op after every adaptable projection's GEMM
-(:class:`~hf_paged.executor.program_ops.Delta`: the q/k/v and gate/up groups' input gathered once, each
-member's delta added into its columns of the group's output). A step with adapter rows (the manager's ``plan``
-set for it) replays the second; the deltas are the slots' own computation
+call lists: the base one, and the same calls with the LoRA deltas after every adaptable projection's GEMM
+(:func:`~hf_paged.executor.program_ops.lora_delta_ops`: per member slot one call of the CPU LoRA kernel, its
+fixed arguments prepared at recording, reading the step's per-token slot index from a pointer cell; a Python
+:class:`~hf_paged.executor.program_ops.Delta` for slots the kernel does not take). A step with adapter rows (the
+manager's ``plan`` set for it) replays the second; the deltas are the slots' own computation
 (:meth:`~hf_paged.lora.slots.LoRASlot.add_delta`), so adapter rows get the eager forward's logits.
 """
 
