@@ -9,6 +9,11 @@ share, so the default runs one thread).
 
     python -m hf_paged.bench.lora_kernel                 # T = 1 (one adapter) and T = 64 (rows over 4 adapters)
     python -m hf_paged.bench.lora_kernel --threads 2     # torch and the kernel on 2 threads (wall time too)
+    python -m hf_paged.bench.lora_kernel --end-to-end    # the default model: process CPU time per token
+
+``--end-to-end`` generates 32 greedy tokens per row (batch 1 and 64) on the default model with
+``hf-paged bench lora``'s four adapters: base rows, adapter rows with the kernel, and adapter rows with the torch
+layouts, each after a warm-up on its own engine, and prints the process CPU time per generated token.
 """
 
 from __future__ import annotations
@@ -90,10 +95,51 @@ def run(threads: int = 1) -> list[dict]:
     return rows
 
 
+def end_to_end(threads: int = 1, max_tokens: int = 32) -> list[str]:
+    import tempfile
+
+    from hf_paged import PagedGenerator, SamplingParams
+    from hf_paged.bench.lora import make_adapters
+    from hf_paged.model.default_model import load_default
+
+    torch.set_num_threads(threads)
+    model, tok = load_default(torch.float32)
+    with tempfile.TemporaryDirectory() as folder:
+        loras = make_adapters(model, folder)
+        prompts = ["Tell me a story about a cat."] * 64
+
+        def per_token(batch: int, lora_request: list, use_kernel: bool) -> float:
+            lora_slots.USE_KERNEL = use_kernel
+            try:
+                with PagedGenerator(model, tok, max_num_seqs=64, enable_lora=True, max_loras=NUM_ADAPTERS) as engine:
+                    engine.generate(prompts[:batch], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False,
+                                    lora_request=lora_request)
+                    start = time.process_time()
+                    outs = engine.generate(prompts[:batch], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                           ignore_eos=True),
+                                           use_tqdm=False, lora_request=lora_request)
+                    return (time.process_time() - start) / sum(len(o.outputs[0].token_ids) for o in outs) * 1e3
+            finally:
+                lora_slots.USE_KERNEL = True
+
+        lines = []
+        for batch in (1, 64):
+            adapters = [loras[i % NUM_ADAPTERS] for i in range(batch)]
+            base = per_token(batch, [None] * batch, True)
+            kernel, plain = per_token(batch, adapters, True), per_token(batch, adapters, False)
+            lines.append(f"batch {batch}: CPU ms per token: base {base:.3f}, kernel {kernel:.3f} ({base / kernel:.2f}x), "
+                         f"torch layouts {plain:.3f} ({base / plain:.2f}x)")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--end-to-end", action="store_true", help="the default model, base vs adapters")
     args = parser.parse_args()
+    if args.end_to_end:
+        print("\n".join(end_to_end(args.threads)))
+        return
     rows = run(args.threads)
     keys = list(rows[0])
     print(" | ".join(keys))
