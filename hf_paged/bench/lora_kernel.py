@@ -43,8 +43,8 @@ def _slots(source) -> list[LoRASlot]:
     for n_in, n_out in SHAPES:
         slot = LoRASlot(source, n_in, n_out, NUM_ADAPTERS, RANK, torch.device("cpu"), torch.float32)
         for s in range(NUM_ADAPTERS):
-            slot.set(s, LoRALayerWeights(torch.randn(RANK, n_in, generator=g) / 24, torch.randn(n_out, RANK, generator=g),
-                                         1.0))
+            a, b = torch.randn(RANK, n_in, generator=g) / 24, torch.randn(n_out, RANK, generator=g)
+            slot.set(s, LoRALayerWeights(a, b, 1.0))
         slots.append(slot)
     return slots
 
@@ -127,8 +127,8 @@ def end_to_end(threads: int = 1, max_tokens: int = 32) -> list[str]:
             adapters = [loras[i % NUM_ADAPTERS] for i in range(batch)]
             base = per_token(batch, [None] * batch, True)
             kernel, plain = per_token(batch, adapters, True), per_token(batch, adapters, False)
-            lines.append(f"batch {batch}: CPU ms per token: base {base:.3f}, kernel {kernel:.3f} ({base / kernel:.2f}x), "
-                         f"torch layouts {plain:.3f} ({base / plain:.2f}x)")
+            lines.append(f"batch {batch}: CPU ms per token: base {base:.3f}, kernel {kernel:.3f} "
+                         f"({base / kernel:.2f}x), torch layouts {plain:.3f} ({base / plain:.2f}x)")
     return lines
 
 

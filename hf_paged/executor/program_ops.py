@@ -18,8 +18,8 @@ def lora_delta_ops(manager, x: torch.Tensor, targets: list, rows: ctypes.c_int, 
                    threads: int) -> list:
     """The ops adding the LoRA deltas of ``targets`` (``(slot, y)``: a member's slot and its output columns) from
     their shared input ``x``: per slot the CPU kernel takes, one C call (``hfp_lora_bgmv_call`` over the slot's
-    stacked A and transposed B, reading the step's per-token slot index from the ``token_slot`` cell and the row count from
-    ``rows``, ~1 us at batch 1); one :class:`Delta` for the others. A slot without tensors yet (no adapter of it
+    stacked A and transposed B, reading the step's per-token slot index from the ``token_slot`` cell and the row
+    count from ``rows``, a few us at batch 1); one :class:`Delta` for the others. A slot without tensors yet (no adapter of it
     resident) gets no op: the program watches its ``a`` and records again once it has one."""
     calls, rest = [], []
     for slot, y in targets:

@@ -182,7 +182,8 @@ static inline __attribute__((always_inline)) void expand_block(const char* bt, i
                 const __m256 sum = rnd8(_mm256_add_ps(ld8((const char*)yp, DT_BF16), d), DT_BF16);
                 /* rounded already: the high halves are the bf16 values */
                 const __m256i w = _mm256_srli_epi32(_mm256_castps_si256(sum), 16);
-                _mm_storeu_si128((__m128i*)yp, _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+                const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+                _mm_storeu_si128((__m128i*)yp, packed);
             }
         }
 }
@@ -244,18 +245,23 @@ static inline __attribute__((always_inline)) void run_range(const Args* p, const
     }
 }
 
-static void run_f32(const Args* p, const int32_t* ts, const int* order, int lo, int hi, int o0, int o1, float* h, int hs) {
+typedef void (*RunFn)(const Args*, const int32_t*, const int*, int, int, int, int, float*, int);
+
+static void run_f32(const Args* p, const int32_t* ts, const int* order, int lo, int hi, int o0, int o1, float* h,
+                    int hs) {
     run_range(p, ts, order, lo, hi, o0, o1, h, hs, DT_F32);
 }
 
-static void run_bf16(const Args* p, const int32_t* ts, const int* order, int lo, int hi, int o0, int o1, float* h, int hs) {
+static void run_bf16(const Args* p, const int32_t* ts, const int* order, int lo, int hi, int o0, int o1, float* h,
+                     int hs) {
     run_range(p, ts, order, lo, hi, o0, o1, h, hs, DT_BF16);
 }
 
 /*
  * Add the LoRA deltas of T tokens into y (see the top of the file). x [T, in] (row stride ldx), a [L, R, in],
- * bt [L, R, out] contiguous (B transposed), token_slot int32 [T] (-1: none), scales fp32 [L], ranks int32 [L] (0: the slot
- * leaves this linear alone), y [T, out] (row stride ldy); dt 0 = fp32, 1 = bf16 (x, a, b and y alike).
+ * bt [L, R, out] contiguous (B transposed), token_slot int32 [T] (-1: none), scales fp32 [L], ranks int32 [L]
+ * (0: the slot leaves this linear alone), y [T, out] (row stride ldy); dt 0 = fp32, 1 = bf16 (x, a, bt and y
+ * alike).
  * Returns 0, or -1 for arguments it does not take (a rank above R, an unknown dtype) or out of memory.
  */
 int hfp_lora_bgmv(const void* x, int64_t ldx, const void* a, const void* bt, const int32_t* token_slot,
@@ -283,8 +289,9 @@ int hfp_lora_bgmv(const void* x, int64_t ldx, const void* a, const void* bt, con
             const int s = token_slot[t];
             if (s >= 0 && s < L && ranks[s] > 0) order[cnt[s]++] = t;
         }
-        const Args p = {(const char*)x, ldx, (const char*)a, (const char*)bt, (char*)y, ldy, scales, ranks, in, out, R, dt};
-        void (*run)(const Args*, const int32_t*, const int*, int, int, int, int, float*, int) = dt == DT_F32 ? run_f32 : run_bf16;
+        const Args p = {(const char*)x, ldx, (const char*)a, (const char*)bt, (char*)y, ldy, scales, ranks,
+                        in, out, R, dt};
+        const RunFn run = dt == DT_F32 ? run_f32 : run_bf16;
         const int hs = (R + 7) & ~7;
         const int nt = work < PAR_WORK || num_threads < 1 ? 1 : num_threads;
         if (nt == 1) {
@@ -304,7 +311,8 @@ int hfp_lora_bgmv(const void* x, int64_t ldx, const void* a, const void* bt, con
 #pragma omp atomic write
                     failed = 1;
                 } else                if (n >= 2 * k) {  /* tokens split over the threads */
-                    run(&p, token_slot, order, (int)((int64_t)n * t / k), (int)((int64_t)n * (t + 1) / k), 0, out, h, hs);
+                    const int lo = (int)((int64_t)n * t / k), hi = (int)((int64_t)n * (t + 1) / k);
+                    run(&p, token_slot, order, lo, hi, 0, out, h, hs);
                 } else {  /* few tokens: output columns split (blocks of 8), each thread doing every shrink */
                     const int blocks = (out + 7) / 8;
                     const int c0 = 8 * (int)((int64_t)blocks * t / k), c1 = 8 * (int)((int64_t)blocks * (t + 1) / k);
