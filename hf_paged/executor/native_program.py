@@ -18,10 +18,11 @@ and falls back to the eager forward for everything else, and while a module hook
 registered; it records itself again when something it recorded changed (:meth:`DecodeProgram._valid`).
 
 With multi-LoRA (``lora``: the engine's :class:`~hf_paged.lora.manager.LoRAManager`) the program records two
-call lists: the base one, and the same calls with a LoRA delta op after every adaptable projection's GEMM
-(:class:`~hf_paged.executor.program_ops.Delta`: the q/k/v and gate/up groups' input gathered once, each
-member's delta added into its columns of the group's output). A step with adapter rows (the manager's ``plan``
-set for it) replays the second; the deltas are the slots' own computation
+call lists: the base one, and the same calls with the LoRA deltas after every adaptable projection's GEMM
+(:func:`~hf_paged.executor.program_ops.lora_delta_ops`: per member slot one call of the CPU LoRA kernel, its
+fixed arguments prepared at recording, reading the step's per-token slot index from a pointer cell; a Python
+:class:`~hf_paged.executor.program_ops.Delta` for slots the kernel does not take). A step with adapter rows (the
+manager's ``plan`` set for it) replays the second; the deltas are the slots' own computation
 (:meth:`~hf_paged.lora.slots.LoRASlot.add_delta`), so adapter rows get the eager forward's logits.
 """
 
@@ -41,7 +42,7 @@ from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops
 from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
 from hf_paged.executor.quant_program import QuantEmbedding, QuantLinear, QuantOp, quant_group
 from hf_paged.model.layers.parallel import linear_of
-from hf_paged.executor.program_ops import Copy as _Copy, Delta as _Delta, Finish as _Finish, Linear as _Linear
+from hf_paged.executor.program_ops import Copy as _Copy, Finish as _Finish, Linear as _Linear, lora_delta_ops
 from hf_paged.lora.hooks import hook_of as lora_hook
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class DecodeProgram:
         self._groups: list = []
         self.logits_capacity = 0
         self._rows, self._sampled = ctypes.c_int(0), ctypes.c_int(0)
+        self._token_slot = ctypes.c_void_p(0)  # the step plan's int32 [rows] slot index (the LoRA kernel's calls)
         self._index: torch.Tensor | None = None
         self._tokens = ctypes.c_int64(0)
         self._cos, self._sin, self._slots = ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_void_p(0)
@@ -144,7 +146,7 @@ class DecodeProgram:
         if not set(step.hidden_layers) <= set(self.capture):
             return None
         plan = None if self.lora is None else self.lora.plan
-        if plan is not None and plan.num_tokens != rows:
+        if plan is not None and (plan.num_tokens != rows or plan.token_slot is None):
             return None
         if rows > self.capacity or sampled > self.logits_capacity or not self._valid():
             if self._retry_in:  # the last recording failed: eager steps until the next try
@@ -167,6 +169,7 @@ class DecodeProgram:
             return None
         self._rows.value = rows
         self._sampled.value = sampled
+        self._token_slot.value = None if plan is None else plan.token_slot.data_ptr()
         self._index = None if sampled == rows else index
         self._tokens.value = rows
         self._cos.value, self._sin.value = cos.data_ptr(), sin.data_ptr()
@@ -275,14 +278,14 @@ class DecodeProgram:
         manager = self.lora
 
         def delta_op(modules, x: torch.Tensor, ys: list[torch.Tensor]) -> list:
-            # the LoRA deltas of ``modules`` (one input ``x``, outputs ``ys``): one op, in the LoRA list only
+            # the LoRA deltas of ``modules`` (one input ``x``, outputs ``ys``): in the LoRA list only
             slots = [manager.slot_of(m) for m in modules] if manager is not None else []
             targets = [(slot, y) for slot, y in zip(slots, ys) if slot is not None]
-            if not targets:
-                return []
-            op = (_Delta(manager, x, targets, self._rows), ())
-            deltas.add(id(op))
-            return [op]
+            seen.extend(_seen(slot.__dict__, "a") for slot, _ in targets)  # made, or made again: record again
+            keep.extend(slot for slot, _ in targets)
+            delta = lora_delta_ops(manager, x, targets, self._rows, self._token_slot, threads)
+            deltas.update(id(op) for op in delta)
+            return delta
 
         def linear_ops(module: torch.nn.Module, x: torch.Tensor, x_stride: int, y: torch.Tensor) -> list:
             # a projection's GEMM into ``y`` and its LoRA deltas, then (a tensor-parallel shard's row-parallel

@@ -1,6 +1,7 @@
 """The Python ops of the native decode program's call list (:mod:`hf_paged.executor.native_program`): steps that are
-not one C call (another packing's ``linear``, a copy, a tensor-parallel collective, the LoRA deltas). Each is a
-callable of no arguments reading the step's row count from a shared ``ctypes`` cell."""
+not one C call (another packing's ``linear``, a copy, a tensor-parallel collective, the LoRA deltas the C kernel
+does not take). Each is a callable of no arguments reading the step's row count from a shared ``ctypes`` cell.
+:func:`lora_delta_ops` makes a projection group's LoRA ops: C calls of the CPU LoRA kernel where it serves."""
 
 from __future__ import annotations
 
@@ -8,7 +9,28 @@ import ctypes
 
 import torch
 
+from hf_paged.kernels.cpu import lora_ops
+from hf_paged.lora import slots as lora_slots
 from hf_paged.model.layers.parallel import ParallelLinear
+
+
+def lora_delta_ops(manager, x: torch.Tensor, targets: list, rows: ctypes.c_int, token_slot: ctypes.c_void_p,
+                   threads: int) -> list:
+    """The ops adding the LoRA deltas of ``targets`` (``(slot, y)``: a member's slot and its output columns) from
+    their shared input ``x``: per slot the CPU kernel takes, one C call (``hfp_lora_bgmv_call`` over the slot's
+    stacked A and transposed B, reading the step's per-token slot index from the ``token_slot`` cell and the row
+    count from ``rows``, a few us at batch 1); one :class:`Delta` for the others. A slot without tensors yet (no adapter of it
+    resident) gets no op: the program watches its ``a`` and records again once it has one."""
+    calls, rest = [], []
+    for slot, y in targets:
+        if slot.a is None:
+            continue
+        if not (slot.dtype == x.dtype == y.dtype and x.device.type == "cpu" and lora_slots.kernel_ok(slot.dtype)):
+            rest.append((slot, y))
+            continue
+        calls.append(lora_ops.replay_call(x[:, : slot.in_features], y, slot.a, slot.bt, slot.scales_t, slot.ranks_t,
+                                          threads, token_slot, rows))
+    return calls + ([(Delta(manager, x, rest, rows), ())] if rest else [])
 
 
 class Linear:

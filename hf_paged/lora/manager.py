@@ -202,6 +202,8 @@ class LoRAManager:
         index[n:].fill_(-1)
         self.plan = StepPlan(index.numel(), "tokens", plan.segments, token_slots=plan.token_slots,
                              token_index=index, static=True, backend=self.kernel_backend)
+        if index.device.type == "cpu" and index.dtype == torch.int32:  # the CPU kernel reads it as it is
+            self.plan.token_slot = index
         entered = {id(hook) for hook in self._entered}
         for name, hook in self._hooks.items():
             if self.slots[name].a is not None and id(hook) not in entered:

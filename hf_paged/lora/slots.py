@@ -18,6 +18,12 @@ Rows are grouped by adapter (the step's :class:`StepPlan`, made once per step) i
   ``index_add_``: five torch calls per linear whatever the number of adapters;
 - ``"segments"``: the rows gathered once, a pair of matmuls per slot (when padding would waste too much).
 
+On the CPU, for fp32 and bf16 slots, every layout is one call of our C kernel instead
+(:mod:`hf_paged.kernels.cpu.lora_ops`, "bgmv": per token, its slot's ``A`` then ``B``, only to the slot's
+rank): it reads the step's per-token slot index (:attr:`StepPlan.token_slot`, made once per step), the batch
+rows themselves (no gather) and adds into ``y`` in place; the torch layouts above serve CUDA, other dtypes and
+builds without the kernel.
+
 :meth:`StepPlan.inputs` and :meth:`LoRASlot.add_delta` split the gather from the rest, so a caller whose
 linears share an input (the native decode program's q/k/v and gate/up groups) gathers it once.
 """
@@ -29,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_paged.kernels.cpu import lora_ops
 from hf_paged.kernels.lora import add_lora_delta
 from hf_paged.lora.loading import LoRALayerWeights
 
@@ -55,9 +62,11 @@ class StepPlan:
     index: torch.Tensor | None = None
     valid: list[float] = field(default_factory=list)
     token_slots: list[int] = field(default_factory=list)
-    token_index: torch.Tensor | None = None
+    token_index: torch.Tensor | None = None  # "tokens": each row's slot on the device (-1: base or padding)
     static: bool = False
     backend: str = "auto"  # the "tokens" layout's kernels (hf_paged.kernels.lora): "auto", "torch" or "triton"
+    # CPU steps: int32 [num_tokens], each row's slot (-1: base), for the C kernel (None on other devices)
+    token_slot: torch.Tensor | None = None
     _scales: dict = field(default_factory=dict, repr=False)
     # the thread running the step's forward: engines on one model share its layer objects, and another engine's
     # forward in another thread must not pick up this step's slots
@@ -67,12 +76,23 @@ class StepPlan:
     def num_rows(self) -> int:
         return self.segments[-1][2]
 
+    def kernel(self, dtype: torch.dtype) -> bool:
+        """Whether slots of ``dtype`` add this step's deltas with the CPU kernel (then every layout reads the
+        batch rows as they are)."""
+        return self.token_slot is not None and kernel_ok(dtype)  # CPU plans only: their slots have bt
+
     def inputs(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What :meth:`LoRASlot.add_delta` reads for the step's rows of ``x2`` ``[num_tokens, in]``: ``x2``
-        itself (runs), its gathered rows (segments) or ``[slots, length, in]`` (padded), in ``dtype``; ``x2`` as
-        it is for the per-token kernels (tokens), which read any float dtype."""
+        itself (runs, or the CPU kernel), its gathered rows (segments) or ``[slots, length, in]`` (padded), in
+        ``dtype``; ``x2`` as it is for the per-token kernels (tokens), which read any float dtype."""
+        if self.kernel(dtype):
+            return x2.to(dtype)
         if self.layout == "tokens":  # the kernels read x as it is
             return x2
+        return self.torch_inputs(x2, dtype)
+
+    def torch_inputs(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`inputs` as the torch layouts read them (whether or not the kernel serves the step)."""
         if self.layout == "runs":
             return x2.to(dtype)
         # index_select gathers in one copy (advanced indexing is far slower on CPU)
@@ -91,10 +111,27 @@ class StepPlan:
         return t
 
 
+USE_KERNEL = True  # False: the torch layouts on the CPU too (to compare the two)
+
+
+def kernel_ok(dtype: torch.dtype) -> bool:
+    """Whether the CPU LoRA kernel serves slots of ``dtype`` (built and probed here, :data:`USE_KERNEL`)."""
+    return USE_KERNEL and lora_ops.available(dtype)
+
+
 def plan_step(token_slots: list[int], device: torch.device, per_token: bool | None = None,
               backend: str = "auto") -> StepPlan | None:
     """Group rows by slot (``-1``: base). None when no row has an adapter: the slots then cost nothing.
-    ``per_token`` (default: on CUDA) makes a ``"tokens"`` plan, whose kernels run on ``backend``."""
+    ``per_token`` (default: on CUDA) makes a ``"tokens"`` plan, whose kernels run on ``backend``; a CPU plan
+    also carries the per-row slots for the C kernel (``token_slot``)."""
+    plan = _plan_layout(token_slots, device, per_token, backend)
+    if plan is not None and torch.device(device).type == "cpu":
+        plan.token_slot = torch.tensor(token_slots, dtype=torch.int32)
+    return plan
+
+
+def _plan_layout(token_slots: list[int], device: torch.device, per_token: bool | None,
+                 backend: str) -> StepPlan | None:
     runs: list[tuple[int, int, int]] = []
     for row, slot in enumerate(token_slots):
         if slot < 0:
@@ -158,9 +195,15 @@ class LoRASlot:
         self.device, self.dtype = device, dtype
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
-        self.scale_t: torch.Tensor | None = None
+        self.scale_t: torch.Tensor | None = None  # the scales on the device, for the Triton kernels
+        # on the CPU B is stored transposed, bt [max_loras, max_rank, out] (the kernel's layout), and ``b`` is a
+        # view of it: one copy of the weights for both paths
+        self.bt: torch.Tensor | None = None
         self.ranks = [0] * max_loras  # 0: the adapter in this slot leaves this linear alone
         self.scales = [0.0] * max_loras
+        # the same as tensors the C kernel reads (updated in place: a recorded call keeps their addresses)
+        self.ranks_t = torch.zeros(max_loras, dtype=torch.int32)
+        self.scales_t = torch.zeros(max_loras, dtype=torch.float32)
 
     def set(self, slot: int, weights: LoRALayerWeights | None) -> None:
         """Make ``slot`` hold ``weights`` for this linear (None: the slot's adapter does not adapt it)."""
@@ -171,6 +214,7 @@ class LoRASlot:
     def _set(self, slot: int, weights: LoRALayerWeights | None) -> None:
         if weights is None:
             self.ranks[slot], self.scales[slot] = 0, 0.0
+            self.ranks_t[slot], self.scales_t[slot] = 0, 0.0
             if self.a is not None:  # zeros: the padded layout runs every step's slots through one bmm
                 self.a[slot].zero_()
                 self.b[slot].zero_()
@@ -178,14 +222,21 @@ class LoRASlot:
             return
         if self.a is None:
             self.a = torch.zeros(self.max_loras, self.max_rank, self.in_features, device=self.device, dtype=self.dtype)
-            self.b = torch.zeros(self.max_loras, self.out_features, self.max_rank, device=self.device, dtype=self.dtype)
-            self.scale_t = torch.zeros(self.max_loras, device=self.device, dtype=torch.float32)
+            if torch.device(self.device).type == "cpu":
+                self.bt = torch.zeros(self.max_loras, self.max_rank, self.out_features, dtype=self.dtype)
+                self.b = self.bt.transpose(1, 2)
+            else:
+                self.b = torch.zeros(self.max_loras, self.out_features, self.max_rank, device=self.device,
+                                     dtype=self.dtype)
+            self.scale_t = (self.scales_t if torch.device(self.device).type == "cpu"
+                            else torch.zeros(self.max_loras, device=self.device, dtype=torch.float32))
         r = weights.rank
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.a[slot, :r].copy_(weights.a)
         self.b[slot, :, :r].copy_(weights.b)
         self.ranks[slot], self.scales[slot] = r, weights.scale
+        self.ranks_t[slot], self.scales_t[slot] = r, weights.scale
         self.scale_t[slot] = weights.scale
 
     def active(self, plan: StepPlan | None) -> bool:
@@ -204,17 +255,23 @@ class LoRASlot:
         if x2.shape[0] != plan.num_tokens:
             return y  # a forward over other rows (a draft model's, a probe): it runs the base model
         out = y.reshape(-1, self.out_features)
-        if torch.is_grad_enabled() and y.requires_grad:  # else y is the layer's fresh output: added in place
+        if torch.is_grad_enabled() and (y.requires_grad or x.requires_grad):
+            # a forward that keeps a graph (the C kernel has no backward): torch ops on a copy of y
             out = out.clone()
-        self.add_delta(plan, plan.inputs(x2, self.dtype), out)
+            self._torch_delta(plan, plan.torch_inputs(x2, self.dtype), out)
+            return out.view(y.shape)
+        self.add_delta(plan, plan.inputs(x2, self.dtype), out)  # y is the layer's fresh output: added in place
         return out.view(y.shape)
 
     def add_delta(self, plan: StepPlan, xs: torch.Tensor, out: torch.Tensor) -> None:
         """Add the step's deltas into ``out`` ``[num_tokens, out]`` (in place; a column view is fine), from
         ``xs = plan.inputs(x2, self.dtype)``. The caller checked :meth:`active`."""
-        if plan.layout == "tokens":  # one shrink, one expand over the per-token slot index
+        if plan.kernel(self.dtype):
+            self._kernel_delta(plan, xs, out)
+        elif plan.layout == "tokens":  # one shrink, one expand over the per-token slot index
             add_lora_delta(xs, self.a, self.b, self.scale_t, plan.token_index, out, plan.backend, checked=True)
-            return
+        else:
+            self._torch_delta(plan, xs, out)
         if plan.layout == "runs":
             for slot, start, end in plan.segments:
                 r = self.ranks[slot]
