@@ -7,7 +7,7 @@ Rows are grouped by adapter (the step's :class:`StepPlan`, made once per step) i
 
 - ``"tokens"`` (CUDA, and every decode-bucket step): no grouping; each row's slot in one int32 tensor
   (``token_index``, ``-1``: a base row), and per linear one shrink and one expand kernel
-  (:func:`hf_paged.kernels.lora.add_lora_delta`: Triton on CUDA, its torch twin on CPU) read it, no gather, no
+  (:func:`hf_paged.kernels.lora.add_lora_delta`: Triton on CUDA; on CPU the C kernel below) read it, no gather, no
   scatter. Their grids depend on the row count only, so a CUDA graph replays them with the index in a static
   buffer (the decode buckets' ``lora_index``);
 - ``"runs"``: a few long runs of rows (prefill chunks, batch 1): each run's delta is computed and added on views
@@ -21,8 +21,8 @@ Rows are grouped by adapter (the step's :class:`StepPlan`, made once per step) i
 On the CPU, for fp32 and bf16 slots, every layout is one call of our C kernel instead
 (:mod:`hf_paged.kernels.cpu.lora_ops`, "bgmv": per token, its slot's ``A`` then ``B``, only to the slot's
 rank): it reads the step's per-token slot index (:attr:`StepPlan.token_slot`, made once per step), the batch
-rows themselves (no gather) and adds into ``y`` in place; the torch layouts above serve CUDA, other dtypes and
-builds without the kernel.
+rows themselves (no gather) and adds into ``y`` in place; the torch layouts above serve other dtypes and builds
+without the kernel.
 
 :meth:`StepPlan.inputs` and :meth:`LoRASlot.add_delta` split the gather from the rest, so a caller whose
 linears share an input (the native decode program's q/k/v and gate/up groups) gathers it once.
@@ -258,7 +258,10 @@ class LoRASlot:
         if torch.is_grad_enabled() and (y.requires_grad or x.requires_grad):
             # a forward that keeps a graph (the C kernel has no backward): torch ops on a copy of y
             out = out.clone()
-            self._torch_delta(plan, plan.torch_inputs(x2, self.dtype), out)
+            if plan.layout == "tokens":
+                add_lora_delta(x2, self.a, self.b, self.scale_t, plan.token_index, out, "torch", checked=True)
+            else:
+                self._torch_delta(plan, plan.torch_inputs(x2, self.dtype), out)
             return out.view(y.shape)
         self.add_delta(plan, plan.inputs(x2, self.dtype), out)  # y is the layer's fresh output: added in place
         return out.view(y.shape)
@@ -272,6 +275,19 @@ class LoRASlot:
             add_lora_delta(xs, self.a, self.b, self.scale_t, plan.token_index, out, plan.backend, checked=True)
         else:
             self._torch_delta(plan, xs, out)
+
+    def _kernel_delta(self, plan: StepPlan, xs: torch.Tensor, out: torch.Tensor) -> None:
+        # one C call for every row of the step (xs: the batch rows, not gathered)
+        direct = out.dtype == self.dtype and out.stride(-1) == 1
+        y = out if direct else torch.zeros(out.shape, dtype=self.dtype)
+        if xs.stride(-1) != 1:
+            xs = xs.contiguous()
+        lora_ops.call(y, xs, self.a, self.bt, plan.token_slot, self.scales_t, self.ranks_t, torch.get_num_threads())
+        if not direct:
+            out += y.to(out.dtype)
+
+    def _torch_delta(self, plan: StepPlan, xs: torch.Tensor, out: torch.Tensor) -> None:
+        # xs: plan.torch_inputs(...); dtypes the C kernel does not take, or no C compiler
         if plan.layout == "runs":
             for slot, start, end in plan.segments:
                 r = self.ranks[slot]
