@@ -79,7 +79,9 @@ class StepPlan:
     def kernel(self, dtype: torch.dtype) -> bool:
         """Whether slots of ``dtype`` add this step's deltas with the CPU kernel (then every layout reads the
         batch rows as they are)."""
-        return self.token_slot is not None and kernel_ok(dtype)  # CPU plans only: their slots have bt
+        # CPU plans only (their slots have bt); a tokens plan with a backend asked for by name runs that one
+        return (self.token_slot is not None and kernel_ok(dtype)
+                and (self.layout != "tokens" or self.backend == "auto"))
 
     def inputs(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What :meth:`LoRASlot.add_delta` reads for the step's rows of ``x2`` ``[num_tokens, in]``: ``x2``
