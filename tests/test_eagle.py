@@ -252,6 +252,60 @@ def test_paged_drafts_equal_a_plain_forward_of_the_head_over_the_whole_history(m
         assert drafts == reference_drafts(model, head, tokens, len(drafts)), len(tokens)
 
 
+def _always_draft(monkeypatch):
+    from hf_paged.spec_decode.speculator import Speculator
+
+    monkeypatch.setattr(Speculator, "num_drafts", lambda self, state, max_len, cost=0.0: min(
+        3, state.params.max_tokens - len(state.output_token_ids) - 1))
+
+
+def _check_drafts(model, head, calls, since=0, every=20):
+    picked = calls[since:][:: max(1, len(calls[since:]) // every)]
+    for tokens, drafts in picked:
+        assert drafts == reference_drafts(model, head, tokens, len(drafts)), len(tokens)
+
+
+@pytest.mark.parametrize("case", ["swap", "pool hit", "host tier hit"])
+def test_drafts_after_a_swap_or_a_prefix_hit_equal_a_plain_forward(monkeypatch, case):
+    """Positions the target did not compute again (swapped back in, prefix hits in the pool or the host tier):
+    the head reads the KV it wrote for them, so its drafts are those of a plain forward over the history."""
+    _always_draft(monkeypatch)
+    model = target()
+    head = random_head(seed=2, draft_vocab=200, aux_layer_ids=[1, 3, 2])
+    recorder = Recorder(monkeypatch)
+    spec = dict(method="eagle3", model=head, num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    if case == "swap":
+        kw = dict(block_size=4, num_blocks=40, preemption_mode="swap", swap_space=1 << 22)
+    elif case == "pool hit":
+        kw = dict(block_size=4, num_blocks=400, enable_prefix_caching=True)
+    else:  # a pool one long prompt fills: the first prompts' blocks leave it for the host tier, then come back
+        kw = dict(block_size=4, num_blocks=40, enable_prefix_caching=True, kv_offload_gb=0.01, max_num_seqs=1)
+    engine = PagedGenerator(model, speculative_config=spec, **kw)
+    prompts = PROMPTS if case == "swap" else PROMPTS[2:4]
+    outs = []
+    if case != "swap":  # the prompts once, so that their blocks are cached
+        outs += engine.generate(prompts, params, use_tqdm=False)
+    if case == "host tier hit":
+        engine.generate(make_prompts(1, [120], seed=5), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    since = len(recorder.calls)
+    outs += engine.generate(prompts, params, use_tqdm=False)
+    stats = engine.stats()
+    engine.kv_manager.check_consistency()
+    engine.close()
+    want = [stock_greedy(model, p, NEW) for p in prompts]
+    assert [o.token_ids for o in outs] == want * (len(outs) // len(want))
+    if case == "swap":
+        assert stats.num_preemptions["swap"] > 0
+    else:
+        assert stats.prefix_cache_hits > 0
+        if case == "host tier hit":
+            assert stats.kv_tiers["host_hits"] > 0
+    assert len(recorder.calls) - since > 10
+    # a swapped sequence's drafts: every one of them (where the head forgot, few drafts show it)
+    _check_drafts(model, head, recorder.calls, since, every=1000 if case == "swap" else 10)
+
+
 def _exact_first_two_token_distribution(model, prompt):
     with torch.no_grad():
         p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)

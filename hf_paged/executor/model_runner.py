@@ -198,9 +198,9 @@ class ModelRunner:
         """Run one step: take the scheduler's diffs, move blocks as scheduled, forward, sample."""
         self.update_states(out)
         self.move_blocks(out)
+        self.speculator.move_blocks(out)  # an empty step may carry tier moves too
         if out.is_empty:
             return ModelRunnerOutput()
-        self.speculator.move_blocks(out)
         step = Step(out.scheduled, self.prepare, self.hidden_layers)
         logits = self.compute_logits(step)
         self.last_hidden = step.hidden

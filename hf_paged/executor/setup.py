@@ -256,7 +256,9 @@ def make_eagle_proposer(spec, runner) -> EagleProposer:
     else:
         check_head(head, runner.model)
     layers = aux_layers(head.config, len(decoder_layers(runner.model)))
-    proposer = EagleProposer(head, layers, runner.model, runner.pool, runner.prepare_batch, runner.attention_layers)
+    tier_slots = runner.tiers.num_host_slots if runner.tiers is not None else 0
+    proposer = EagleProposer(head, layers, runner.model, runner.pool, runner.prepare_batch, runner.attention_layers,
+                             tier_slots)
     runner.capture_hidden(tuple(set(runner.hidden_layers) | set(layers)))
     return proposer
 

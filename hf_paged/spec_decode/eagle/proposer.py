@@ -10,10 +10,16 @@ Each further draft is a one-token forward for the batch at the next head positio
 
 The head's KV pool has the target's block size and block count and is indexed by the target's block tables
 and slots (the scheduler sets aside ``k`` lookahead slots per proposing sequence, as for a draft model), so it
-needs no memory management of its own; the step's copy-on-write copies apply to it too (:meth:`move_blocks`).
+needs no memory management of its own. Every move of the target's blocks moves the head's KV of those blocks
+too (:meth:`move_blocks`): copy-on-write copies, swaps to host memory and back (the head pool has as many host
+blocks as the target's), and the host KV tier's demotions and promotions (the head keeps host slots of its own,
+as many as the tier). So after a prefix-cache hit in the pool or in the host tier, or a swap-in, the head reads
+the KV it wrote when those positions were computed, and drafts as if the target had computed them again.
 Drafted head positions are overwritten by the next catch-up. A forked sample (n > 1) inherits its parent's
-pending rows. Where the target did not compute a position (a prefix-cache hit, a sequence swapped out and back
-in), the head reads whatever its pool holds there: drafts may be worse, output never changes (verification).
+pending rows. Two cases still leave head positions unwritten: blocks read back from the disk tier (its files
+hold the target's KV only), and positions a sequence never caught up (it stopped drafting for good, e.g. under
+``disable_by_batch_size``, before those blocks were cached); there the head reads what its pool holds, so
+drafts may be worse, and output never changes (verification).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 from hf_paged.attention.layer import AttentionFacts
 from hf_paged.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from hf_paged.executor.kv_pool import KVPool, LayerKVSpec, copy_blocks
+from hf_paged.executor.kv_tiers import HostTier
 from hf_paged.spec_decode.draft_model import matmul_params
 from hf_paged.spec_decode.eagle.head import EagleHead
 
@@ -46,10 +53,11 @@ class EagleProposer:
         target_pool: The engine's KV pool (the head's pool copies its block size and count).
         prepare_batch: The model runner's ``prepare_batch`` (packs sequences over attention layers and tables).
         attention_layers: The model runner's ``attention_layers`` (layer objects over a pool, engine backend).
+        tier_slots: The host KV tier's slot count (0: the engine has none); the head keeps as many of its own.
     """
 
     def __init__(self, head: EagleHead, layers: tuple[int, ...], target: torch.nn.Module, target_pool: KVPool,
-                 prepare_batch, attention_layers) -> None:
+                 prepare_batch, attention_layers, tier_slots: int = 0) -> None:
         self.head = head
         self.layers = tuple(layers)
         self.prepare_batch = prepare_batch
@@ -58,7 +66,10 @@ class EagleProposer:
         facts = AttentionFacts(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim,
                                cfg.head_dim ** -0.5)
         spec = LayerKVSpec(cfg.num_key_value_heads, cfg.head_dim, dtype, "auto", facts)
-        self.pool = KVPool([spec], target_pool.num_blocks, target_pool.block_size, target_pool.device)
+        self.pool = KVPool([spec], target_pool.num_blocks, target_pool.block_size, target_pool.device,
+                           target_pool.num_host_blocks)
+        # the host tier's copies of the head's KV (exact: the drafts then do not depend on where a block was)
+        self.tier = HostTier(self.pool, tier_slots, compress=False) if tier_slots else None
         self.attention = attention_layers(self.pool)
         self.block_size = target_pool.block_size
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # seq -> (first position, [m, 3H] target rows)
@@ -68,15 +79,27 @@ class EagleProposer:
 
     def close(self) -> None:
         self.pool.kv_caches.clear()
+        self.pool.host_caches.clear()
+        self.tier = None
         self.pending.clear()
 
     def forget(self, finished, preempted=()) -> None:
-        for seq_id in (*finished, *preempted):
+        # a preempted sequence keeps its rows: swapped, it continues where it stopped (its head KV moved with its
+        # blocks); recomputed, the target's new rows replace them from where it starts again (observe)
+        for seq_id in finished:
             self.pending.pop(seq_id, None)
 
     def move_blocks(self, out: SchedulerOutput) -> None:
+        """The step's moves of the target's blocks, done to the head's KV too, in the runner's order."""
         self.pool.commit(out.blocks_high_water)
+        moves = out.tier_moves
+        if self.tier is not None and moves is not None:
+            self.tier.demote(moves.demote)
+        self.pool.swap_out(out.swap_out)
+        self.pool.swap_in(out.swap_in)
         copy_blocks(self.pool.kv_caches, out.block_copies)
+        if self.tier is not None and moves is not None:
+            self.tier.promote(moves.promote)
 
     def observe(self, scheduled: list[ScheduledSequence], hidden: dict[int, torch.Tensor], mine) -> None:
         """Keep this step's target hidden states of the sequences ``mine(seq_id)`` says this proposer drafts for."""
