@@ -491,3 +491,94 @@ def test_rows_of_rejected_drafts_are_replaced_and_pending_rows_are_capped(monkey
     p._append(1, 13, rows(300, 2))
     start, kept = p.pending[1]
     assert start == 11 and kept[:, 0].tolist() == [200, 201, 300, 301]
+
+
+# -- 5. EAGLE-1 heads ------------------------------------------------------------------------------------
+
+
+def random_eagle1(seed=0, fc_bias=False, **kw):
+    from hf_paged.spec_decode.eagle import Eagle1Head
+
+    torch.manual_seed(seed)
+    head = Eagle1Head(head_config(**kw), fc_bias=fc_bias)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.15)
+    return head
+
+
+def eagle1_reference_drafts(model, head, tokens, k):
+    """An EAGLE-1 head's greedy drafts computed plainly from the target's last hidden state (after its norm)."""
+    from hf_paged.train.eagle_data import target_states
+
+    _, final = target_states(model, tokens, (LAYERS - 1,))
+    with torch.no_grad():
+        fed, ids, drafts = final[:-1], list(tokens[1:]), []
+        for _ in range(k):
+            out = head(torch.tensor(ids), torch.arange(len(ids)), fed, causal_attend)
+            token = int(model.lm_head(out[-1:]).argmax(-1))
+            drafts.append(token)
+            ids.append(token)
+            fed = torch.cat([fed, out[-1:]])
+    return drafts
+
+
+def test_eagle1_head_saves_in_vllms_layout_and_loads_back(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    head = random_eagle1(seed=3, fc_bias=True)
+    folder = str(tmp_path / "e1")
+    save_head(head, folder)
+    names = set(load_file(os.path.join(folder, "model.safetensors")))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.post_attention_layernorm.weight"} <= names
+    assert not any(n.startswith("midlayer.") or "input_layernorm" in n or n.startswith("lm_head") for n in names)
+    assert json.load(open(os.path.join(folder, "config.json")))["architectures"] == ["EagleLlamaForCausalLM"]
+    # a checkpoint with vLLM's "model." prefix and the input_layernorm the published heads leave unused
+    state = {("model." + k if k != "fc.weight" else k): v for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
+    state["model.layers.0.input_layernorm.weight"] = torch.ones(64)
+    save_file(state, os.path.join(folder, "model.safetensors"))
+    model = target()
+    loaded = load_head(folder, model, method="eagle")
+    assert all(torch.equal(v, head.state_dict()[k]) for k, v in loaded.state_dict().items())
+    x = torch.randn(5, 64)
+    assert torch.equal(loaded.logits(x), model.lm_head(x))  # the target's lm_head
+    assert torch.equal(loaded.feed(x), model.model.norm(x))  # the target's final norm
+
+
+def test_eagle1_wrong_folders_are_clear_errors(tmp_path, head_dir):
+    folder = str(tmp_path / "e1")
+    save_head(random_eagle1(), folder)
+    with pytest.raises(ValueError, match="EAGLE-3 head.*use method 'eagle3'"):
+        load_head(head_dir, target(), method="eagle")
+    with pytest.raises(ValueError, match="EAGLE-1 head.*use method 'eagle'"):
+        load_head(folder, target())
+    with pytest.raises(ValueError, match="no config.json"):
+        load_head(str(tmp_path), target(), method="eagle")
+    _break(folder, drop="layers.0.mlp.up_proj.weight")
+    with pytest.raises(ValueError, match="not an EAGLE-1 head.*up_proj"):
+        load_head(folder, target(), method="eagle")
+    with pytest.raises(ValueError, match="hidden size of 64, the target's is 32"):
+        load_head(_fresh_eagle1(tmp_path), target(hidden_size=32, num_attention_heads=2), method="eagle")
+
+
+def _fresh_eagle1(tmp_path):
+    folder = str(tmp_path / "e1b")
+    save_head(random_eagle1(), folder)
+    return folder
+
+
+@pytest.mark.parametrize("engine_kw", [dict(block_size=4, num_blocks=400),
+                                       dict(block_size=4, num_blocks=40, preemption_mode="swap", swap_space=1 << 22)])
+def test_eagle1_greedy_output_equals_stock_generate_and_drafts_equal_a_plain_forward(monkeypatch, tmp_path, engine_kw):
+    _always_draft(monkeypatch)
+    model = target()
+    folder = str(tmp_path / "e1")
+    save_head(random_eagle1(seed=4), folder)
+    head = load_head(folder, model, method="eagle")
+    recorder = Recorder(monkeypatch)
+    outs, stats = run(model, PROMPTS, dict(method="eagle", model=folder, num_speculative_tokens=3), **engine_kw)
+    assert [o.token_ids for o in outs] == [stock_greedy(model, p, NEW) for p in PROMPTS]
+    assert stats.spec_num_draft_tokens > 0
+    calls = recorder.calls
+    assert len(calls) > 20
+    for tokens, drafts in calls[:: max(1, len(calls) // 15)]:
+        assert drafts == eagle1_reference_drafts(model, head, tokens, len(drafts)), len(tokens)

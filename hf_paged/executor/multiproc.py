@@ -271,8 +271,8 @@ class TensorParallelExecutor(Executor):
         self._fail(summary, f"{summary}: {_first_line(e)}", e)
 
     def add_proposer(self, key: str, spec) -> None:
-        if spec.method == "eagle3":
-            raise NotImplementedError("EAGLE-3 speculative decoding runs on one process; tensor-parallel engines "
+        if spec.method in ("eagle3", "eagle"):
+            raise NotImplementedError("EAGLE speculative decoding runs on one process; tensor-parallel engines "
                                       "support methods 'ngram' and 'draft_model'")
         if spec.self_draft_layers is None:  # ngram, or a separate draft model: rank 0's alone
             self.inner.add_proposer(key, spec)

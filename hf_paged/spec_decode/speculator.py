@@ -33,8 +33,8 @@ def spec_key(config: SpeculativeConfig) -> str:
         return f"ngram:{config.prompt_lookup_min}:{config.prompt_lookup_max}"
     if config.self_draft_layers is not None:
         return f"self:{config.self_draft_layers}"
-    if config.method == "eagle3":
-        return f"eagle3:{id(config.model) if not isinstance(config.model, str) else config.model}"
+    if config.method in ("eagle3", "eagle"):
+        return f"{config.method}:{id(config.model) if not isinstance(config.model, str) else config.model}"
     return f"draft:{id(config.model) if not isinstance(config.model, str) else config.model}"
 
 

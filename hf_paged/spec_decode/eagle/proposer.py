@@ -73,7 +73,9 @@ class EagleProposer:
         self.attention = attention_layers(self.pool)
         self.block_size = target_pool.block_size
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # seq -> (first position, [m, 3H] target rows)
-        self.relative_cost = matmul_params(head) / max(1, matmul_params(target))
+        shared = getattr(head, "_shared_lm_head", [None])[0]  # an EAGLE-1 head runs the target's lm_head
+        own = matmul_params(head) + (shared.weight.numel() if shared is not None and hasattr(shared, "weight") else 0)
+        self.relative_cost = own / max(1, matmul_params(target))
         logger.info("EAGLE head: KV pool of %.1f MiB, %.3f of a target forward per drafted token",
                     self.pool.total_bytes / 2**20, self.relative_cost)
 
@@ -146,7 +148,7 @@ class EagleProposer:
             return [[] for _ in states]
         head = self.head
         batch = [ScheduledSequence(seq, start, tokens[start + 1 :], [], True) for seq, tokens, _, start, _ in jobs]
-        fed = head.fc(torch.cat([rows for *_, rows in jobs]).to(head.fc.weight.dtype))
+        fed = head.feed(torch.cat([rows for *_, rows in jobs]))
         prenorm = self._forward(batch, tables, fed)  # catch-up; its last row per sequence drafts the first token
         wanted = {seq: k for seq, _, k, _, _ in jobs}
         drafts: dict[int, list[int]] = {seq: [] for seq in wanted}
