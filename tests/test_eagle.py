@@ -582,3 +582,26 @@ def test_eagle1_greedy_output_equals_stock_generate_and_drafts_equal_a_plain_for
     assert len(calls) > 20
     for tokens, drafts in calls[:: max(1, len(calls) // 15)]:
         assert drafts == eagle1_reference_drafts(model, head, tokens, len(drafts)), len(tokens)
+
+
+def test_init_layer_copies_the_targets_last_layer_and_greedy_first_answers_greedily():
+    from hf_paged.train.eagle import copy_last_layer, head_config_for, init_head
+    from hf_paged.train.eagle_data import generate_texts
+
+    model = peaked_target()
+    cfg = head_config_for(model, 96)
+    cfg.aux_layer_ids = [1, 2, 3]
+    head = init_head(model, cfg, torch.arange(96), seed=0)
+    assert copy_last_layer(model, head)
+    last, mid = model.model.layers[-1], head.midlayer
+    assert torch.equal(mid.mlp.down_proj.weight, last.mlp.down_proj.weight)
+    assert torch.equal(mid.self_attn.o_proj.weight, last.self_attn.o_proj.weight)
+    assert torch.equal(mid.hidden_norm.weight, last.input_layernorm.weight)
+    assert torch.equal(mid.self_attn.k_proj.weight, torch.cat([last.self_attn.k_proj.weight] * 2, dim=1))
+    assert not copy_last_layer(target(hidden_size=32, num_attention_heads=2), head)  # shapes differ: left as is
+
+    prompts = [[t % 128 for t in p] for p in make_prompts(3, [5, 7, 9], seed=11)]
+    texts = generate_texts(model, None, prompts, tokens=30, max_tokens=8, seed=0,
+                           engine_kwargs=dict(block_size=16, num_blocks=200), greedy_first=True)
+    assert texts[:3] == [p + stock_greedy(model, p, 8) for p in prompts]  # the first pass: greedy answers
+    assert len(texts) > 3 and texts[3][:5] == prompts[0] and texts[3] != texts[0]  # then sampled ones
