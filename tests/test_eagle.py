@@ -265,11 +265,17 @@ def _check_drafts(model, head, calls, since=0, every=20):
         assert drafts == reference_drafts(model, head, tokens, len(drafts)), len(tokens)
 
 
-@pytest.mark.parametrize("case", ["swap", "pool hit", "host tier hit"])
+@pytest.mark.parametrize("case", ["swap", "pool hit", "host tier hit", "hit on blocks of a request that never drafted"])
 def test_drafts_after_a_swap_or_a_prefix_hit_equal_a_plain_forward(monkeypatch, case):
     """Positions the target did not compute again (swapped back in, prefix hits in the pool or the host tier):
     the head reads the KV it wrote for them, so its drafts are those of a plain forward over the history."""
     _always_draft(monkeypatch)
+    drafting = [case != "hit on blocks of a request that never drafted"]
+    if not drafting[0]:  # the first pass drafts nothing: the head's KV of its blocks is written when it finishes
+        from hf_paged.spec_decode.speculator import Speculator
+
+        always = Speculator.num_drafts
+        monkeypatch.setattr(Speculator, "num_drafts", lambda *a, **kw: always(*a, **kw) if drafting[0] else 0)
     model = target()
     head = random_head(seed=2, draft_vocab=200, aux_layer_ids=[1, 3, 2])
     recorder = Recorder(monkeypatch)
@@ -277,7 +283,7 @@ def test_drafts_after_a_swap_or_a_prefix_hit_equal_a_plain_forward(monkeypatch, 
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     if case == "swap":
         kw = dict(block_size=4, num_blocks=40, preemption_mode="swap", swap_space=1 << 22)
-    elif case == "pool hit":
+    elif case != "host tier hit":
         kw = dict(block_size=4, num_blocks=400, enable_prefix_caching=True)
     else:  # a pool one long prompt fills: the first prompts' blocks leave it for the host tier, then come back
         kw = dict(block_size=4, num_blocks=40, enable_prefix_caching=True, kv_offload_gb=0.01, max_num_seqs=1)
@@ -288,6 +294,7 @@ def test_drafts_after_a_swap_or_a_prefix_hit_equal_a_plain_forward(monkeypatch, 
         outs += engine.generate(prompts, params, use_tqdm=False)
     if case == "host tier hit":
         engine.generate(make_prompts(1, [120], seed=5), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    drafting[0] = True
     since = len(recorder.calls)
     outs += engine.generate(prompts, params, use_tqdm=False)
     stats = engine.stats()

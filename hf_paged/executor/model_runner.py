@@ -80,6 +80,8 @@ class ModelRunner:
         self.block_tables = BlockTables()
 
     def update_states(self, out: SchedulerOutput) -> None:
+        if out.finished_seq_ids:  # an EAGLE head writes its KV of what finished sequences leave in the cache
+            self.speculator.settle(out.finished_seq_ids, self.states, self.block_tables.lists)
         for seq_id in out.finished_seq_ids:
             self.states.pop(seq_id, None)
             self.block_tables.drop(seq_id)

@@ -92,6 +92,14 @@ class Speculator:
             if observe is not None and hidden:
                 observe(scheduled, hidden, lambda seq_id, key=key: getattr(states.get(seq_id), "spec_key", None) == key)
 
+    def settle(self, finished: Sequence[int], states: Mapping, tables: Mapping) -> None:
+        """Before finished sequences are dropped: proposers with KV of their own that follows the target's
+        blocks (EAGLE heads) complete it for the blocks those sequences leave in the prefix cache."""
+        for key, proposer in list(self.proposers.items()):
+            settle = getattr(proposer, "settle", None)
+            if settle is not None:
+                settle([states[s] for s in finished if getattr(states.get(s), "spec_key", None) == key], tables)
+
     def forget(self, finished: Sequence[int], preempted: Sequence[int]) -> None:
         for proposer in list(self.proposers.values()):
             proposer.forget(finished, preempted)

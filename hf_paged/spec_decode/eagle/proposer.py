@@ -16,10 +16,11 @@ blocks as the target's), and the host KV tier's demotions and promotions (the he
 as many as the tier). So after a prefix-cache hit in the pool or in the host tier, or a swap-in, the head reads
 the KV it wrote when those positions were computed, and drafts as if the target had computed them again.
 Drafted head positions are overwritten by the next catch-up. A forked sample (n > 1) inherits its parent's
-pending rows. Two cases still leave head positions unwritten: blocks read back from the disk tier (its files
-hold the target's KV only), and positions a sequence never caught up (it stopped drafting for good, e.g. under
-``disable_by_batch_size``, before those blocks were cached); there the head reads what its pool holds, so
-drafts may be worse, and output never changes (verification).
+pending rows. When a sequence finishes, the head catches up over the rows it still holds in full blocks
+(:meth:`settle`), so a later request that hits those cached blocks finds the head's KV there even if the
+sequence stopped drafting (e.g. under ``disable_by_batch_size``). Blocks read back from the disk tier still
+leave head positions unwritten (its files hold the target's KV only), as do rows past ``MAX_PENDING``; there the
+head reads what its pool holds, so drafts may be worse, and output never changes (verification).
 """
 
 from __future__ import annotations
@@ -127,6 +128,27 @@ class EagleProposer:
         if rows.shape[0] > MAX_PENDING:
             start, rows = start + rows.shape[0] - MAX_PENDING, rows[-MAX_PENDING:]
         self.pending[seq_id] = (start, rows)
+
+    @torch.inference_mode()
+    def settle(self, states, tables) -> None:
+        """Catch the head's KV up over the rows finished sequences still hold, in their full blocks (the ones the
+        prefix cache keeps). This runs before the step's forward: a block already handed to a new sequence gets
+        its head KV rewritten by that sequence's own catch-up before the head reads it."""
+        batch, rows = [], []
+        for state in states:
+            pend, table = self.pending.pop(state.seq_id, None), tables.get(state.seq_id)
+            if pend is None or table is None:
+                continue
+            tokens = state.prompt_token_ids + state.output_token_ids
+            start, held = pend
+            end = min(start + held.shape[0], len(tokens) - 1, len(table) * self.block_size)
+            end = end // self.block_size * self.block_size  # full blocks only: a partial one is never cached
+            if end <= start:
+                continue
+            batch.append(ScheduledSequence(state.seq_id, start, tokens[start + 1 : end + 1], [], True))
+            rows.append(held[: end - start])
+        if batch:
+            self._forward(batch, tables, self.head.feed(torch.cat(rows)))
 
     @torch.inference_mode()
     def propose(self, states, num_tokens: list[int], tables: dict[int, list[int]]) -> list[list[int]]:
