@@ -24,8 +24,8 @@ def add_parser(sub, fmt, positive_int) -> None:
     p.add_argument("--max-steps", type=positive_int, help="stop after this many texts in all (run again to resume)")
     p.add_argument("--greedy-first", action="store_true", help="answer every prompt greedily first, then "
                    "sample (default: greedy and sampled answers alternate)")
-    p.add_argument("--init-layer", action="store_true", help="start the head's layer from the target's last "
-                   "decoder layer (default: random)")
+    p.add_argument("--init-layer", action=argparse.BooleanOptionalAction, default=True,
+                   help="start the head's layer from the target's last decoder layer (--no-init-layer: at random)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train_eagle)
 

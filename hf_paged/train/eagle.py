@@ -42,7 +42,7 @@ class TrainConfig:
     save_every: int = 200
     max_steps: int | None = None  # stop after this many steps in all (a later run resumes)
     greedy_first: bool = False  # answer every prompt greedily first, then sample (default: alternate)
-    init_layer: bool = False  # start the head's layer from the target's last decoder layer
+    init_layer: bool = True  # start the head's layer from the target's last decoder layer (else at random)
 
     def __post_init__(self) -> None:
         for name in ("tokens", "max_tokens", "draft_vocab_size", "epochs", "ttt_steps", "save_every"):
