@@ -295,6 +295,25 @@ def test_kv_tier_flags_reach_the_engine_and_bad_ones_are_one_line(tmp_path, caps
     assert "argument --kv-offload-dtype" in one_error_line(capsys)
 
 
+def test_bench_spec_eagle_head_and_batch_sizes(tmp_path, capsys, monkeypatch):
+    from hf_paged.bench import workloads
+
+    ran = []
+    monkeypatch.setitem(workloads.WORKLOADS, "spec", lambda **kw: ran.append(kw))
+    assert main(["bench", "spec", "--systems", "no_spec,eagle"]) == 2
+    assert "--systems eagle needs --eagle-head DIR" in one_error_line(capsys)
+    assert main(["bench", "spec", "--eagle-head", str(tmp_path)]) == 2
+    assert "not an EAGLE head folder (no config.json)" in one_error_line(capsys)
+    assert main(["bench", "chat", "--eagle-head", str(tmp_path)]) == 2
+    assert "apply to the spec workload, not chat" in one_error_line(capsys)
+    assert main(["bench", "spec", "--batch-sizes", "1,32"]) == 2
+    assert "each must be 1, 16 or 64" in one_error_line(capsys)
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["bench", "spec", "--eagle-head", str(tmp_path), "--batch-sizes", "1,64"]) == 0
+    assert ran[-1]["eagle_head"] == str(tmp_path) and ran[-1]["batches"] == (1, 64)
+    assert not ran[:-1]
+
+
 def test_bench_restart_is_the_prefix_workloads_own(capsys, no_running, monkeypatch):
     from hf_paged.bench import kv_tiers
 

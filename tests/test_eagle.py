@@ -252,6 +252,67 @@ def test_paged_drafts_equal_a_plain_forward_of_the_head_over_the_whole_history(m
         assert drafts == reference_drafts(model, head, tokens, len(drafts)), len(tokens)
 
 
+def _always_draft(monkeypatch):
+    from hf_paged.spec_decode.speculator import Speculator
+
+    monkeypatch.setattr(Speculator, "num_drafts", lambda self, state, max_len, cost=0.0: min(
+        3, state.params.max_tokens - len(state.output_token_ids) - 1))
+
+
+def _check_drafts(model, head, calls, since=0, every=20):
+    picked = calls[since:][:: max(1, len(calls[since:]) // every)]
+    for tokens, drafts in picked:
+        assert drafts == reference_drafts(model, head, tokens, len(drafts)), len(tokens)
+
+
+@pytest.mark.parametrize("case", ["swap", "pool hit", "host tier hit", "hit on blocks of a request that never drafted"])
+def test_drafts_after_a_swap_or_a_prefix_hit_equal_a_plain_forward(monkeypatch, case):
+    """Positions the target did not compute again (swapped back in, prefix hits in the pool or the host tier):
+    the head reads the KV it wrote for them, so its drafts are those of a plain forward over the history."""
+    _always_draft(monkeypatch)
+    drafting = [case != "hit on blocks of a request that never drafted"]
+    if not drafting[0]:  # the first pass drafts nothing: the head's KV of its blocks is written when it finishes
+        from hf_paged.spec_decode.speculator import Speculator
+
+        always = Speculator.num_drafts
+        monkeypatch.setattr(Speculator, "num_drafts", lambda *a, **kw: always(*a, **kw) if drafting[0] else 0)
+    model = target()
+    head = random_head(seed=2, draft_vocab=200, aux_layer_ids=[1, 3, 2])
+    recorder = Recorder(monkeypatch)
+    spec = dict(method="eagle3", model=head, num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    if case == "swap":
+        kw = dict(block_size=4, num_blocks=40, preemption_mode="swap", swap_space=1 << 22)
+    elif case != "host tier hit":
+        kw = dict(block_size=4, num_blocks=400, enable_prefix_caching=True)
+    else:  # a pool one long prompt fills: the first prompts' blocks leave it for the host tier, then come back
+        kw = dict(block_size=4, num_blocks=40, enable_prefix_caching=True, kv_offload_gb=0.01, max_num_seqs=1)
+    engine = PagedGenerator(model, speculative_config=spec, **kw)
+    prompts = PROMPTS if case == "swap" else PROMPTS[2:4]
+    outs = []
+    if case != "swap":  # the prompts once, so that their blocks are cached
+        outs += engine.generate(prompts, params, use_tqdm=False)
+    if case == "host tier hit":
+        engine.generate(make_prompts(1, [120], seed=5), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    drafting[0] = True
+    since = len(recorder.calls)
+    outs += engine.generate(prompts, params, use_tqdm=False)
+    stats = engine.stats()
+    engine.kv_manager.check_consistency()
+    engine.close()
+    want = [stock_greedy(model, p, NEW) for p in prompts]
+    assert [o.token_ids for o in outs] == want * (len(outs) // len(want))
+    if case == "swap":
+        assert stats.num_preemptions["swap"] > 0
+    else:
+        assert stats.prefix_cache_hits > 0
+        if case == "host tier hit":
+            assert stats.kv_tiers["host_hits"] > 0
+    assert len(recorder.calls) - since > 10
+    # a swapped sequence's drafts: every one of them (where the head forgot, few drafts show it)
+    _check_drafts(model, head, recorder.calls, since, every=1000 if case == "swap" else 10)
+
+
 def _exact_first_two_token_distribution(model, prompt):
     with torch.no_grad():
         p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
@@ -437,3 +498,117 @@ def test_rows_of_rejected_drafts_are_replaced_and_pending_rows_are_capped(monkey
     p._append(1, 13, rows(300, 2))
     start, kept = p.pending[1]
     assert start == 11 and kept[:, 0].tolist() == [200, 201, 300, 301]
+
+
+# -- 5. EAGLE-1 heads ------------------------------------------------------------------------------------
+
+
+def random_eagle1(seed=0, fc_bias=False, **kw):
+    from hf_paged.spec_decode.eagle import Eagle1Head
+
+    torch.manual_seed(seed)
+    head = Eagle1Head(head_config(**kw), fc_bias=fc_bias)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.15)
+    return head
+
+
+def eagle1_reference_drafts(model, head, tokens, k):
+    """An EAGLE-1 head's greedy drafts computed plainly from the target's last hidden state (after its norm)."""
+    from hf_paged.train.eagle_data import target_states
+
+    _, final = target_states(model, tokens, (LAYERS - 1,))
+    with torch.no_grad():
+        fed, ids, drafts = final[:-1], list(tokens[1:]), []
+        for _ in range(k):
+            out = head(torch.tensor(ids), torch.arange(len(ids)), fed, causal_attend)
+            token = int(model.lm_head(out[-1:]).argmax(-1))
+            drafts.append(token)
+            ids.append(token)
+            fed = torch.cat([fed, out[-1:]])
+    return drafts
+
+
+def test_eagle1_head_saves_in_vllms_layout_and_loads_back(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    head = random_eagle1(seed=3, fc_bias=True)
+    folder = str(tmp_path / "e1")
+    save_head(head, folder)
+    names = set(load_file(os.path.join(folder, "model.safetensors")))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.post_attention_layernorm.weight"} <= names
+    assert not any(n.startswith("midlayer.") or "input_layernorm" in n or n.startswith("lm_head") for n in names)
+    assert json.load(open(os.path.join(folder, "config.json")))["architectures"] == ["EagleLlamaForCausalLM"]
+    # a checkpoint with vLLM's "model." prefix and the input_layernorm the published heads leave unused
+    state = {("model." + k if k != "fc.weight" else k): v for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
+    state["model.layers.0.input_layernorm.weight"] = torch.ones(64)
+    save_file(state, os.path.join(folder, "model.safetensors"))
+    model = target()
+    loaded = load_head(folder, model, method="eagle")
+    assert all(torch.equal(v, head.state_dict()[k]) for k, v in loaded.state_dict().items())
+    x = torch.randn(5, 64)
+    assert torch.equal(loaded.logits(x), model.lm_head(x))  # the target's lm_head
+    assert torch.equal(loaded.feed(x), model.model.norm(x))  # the target's final norm
+
+
+def test_eagle1_wrong_folders_are_clear_errors(tmp_path, head_dir):
+    folder = str(tmp_path / "e1")
+    save_head(random_eagle1(), folder)
+    with pytest.raises(ValueError, match="EAGLE-3 head.*use method 'eagle3'"):
+        load_head(head_dir, target(), method="eagle")
+    with pytest.raises(ValueError, match="EAGLE-1 head.*use method 'eagle'"):
+        load_head(folder, target())
+    with pytest.raises(ValueError, match="no config.json"):
+        load_head(str(tmp_path), target(), method="eagle")
+    _break(folder, drop="layers.0.mlp.up_proj.weight")
+    with pytest.raises(ValueError, match="not an EAGLE-1 head.*up_proj"):
+        load_head(folder, target(), method="eagle")
+    with pytest.raises(ValueError, match="hidden size of 64, the target's is 32"):
+        load_head(_fresh_eagle1(tmp_path), target(hidden_size=32, num_attention_heads=2), method="eagle")
+
+
+def _fresh_eagle1(tmp_path):
+    folder = str(tmp_path / "e1b")
+    save_head(random_eagle1(), folder)
+    return folder
+
+
+@pytest.mark.parametrize("engine_kw", [dict(block_size=4, num_blocks=400),
+                                       dict(block_size=4, num_blocks=40, preemption_mode="swap", swap_space=1 << 22)])
+def test_eagle1_greedy_output_equals_stock_generate_and_drafts_equal_a_plain_forward(monkeypatch, tmp_path, engine_kw):
+    _always_draft(monkeypatch)
+    model = target()
+    folder = str(tmp_path / "e1")
+    save_head(random_eagle1(seed=4), folder)
+    head = load_head(folder, model, method="eagle")
+    recorder = Recorder(monkeypatch)
+    outs, stats = run(model, PROMPTS, dict(method="eagle", model=folder, num_speculative_tokens=3), **engine_kw)
+    assert [o.token_ids for o in outs] == [stock_greedy(model, p, NEW) for p in PROMPTS]
+    assert stats.spec_num_draft_tokens > 0
+    calls = recorder.calls
+    assert len(calls) > 20
+    for tokens, drafts in calls[:: max(1, len(calls) // 15)]:
+        assert drafts == eagle1_reference_drafts(model, head, tokens, len(drafts)), len(tokens)
+
+
+def test_init_layer_copies_the_targets_last_layer_and_greedy_first_answers_greedily():
+    from hf_paged.train.eagle import copy_last_layer, head_config_for, init_head
+    from hf_paged.train.eagle_data import generate_texts
+
+    model = peaked_target()
+    cfg = head_config_for(model, 96)
+    cfg.aux_layer_ids = [1, 2, 3]
+    head = init_head(model, cfg, torch.arange(96), seed=0)
+    assert copy_last_layer(model, head)
+    last, mid = model.model.layers[-1], head.midlayer
+    assert torch.equal(mid.mlp.down_proj.weight, last.mlp.down_proj.weight)
+    assert torch.equal(mid.self_attn.o_proj.weight, last.self_attn.o_proj.weight)
+    assert torch.equal(mid.hidden_norm.weight, last.input_layernorm.weight)
+    assert torch.equal(mid.self_attn.k_proj.weight, torch.cat([last.self_attn.k_proj.weight] * 2, dim=1))
+    assert not copy_last_layer(target(hidden_size=32, num_attention_heads=2), head)  # shapes differ: left as is
+
+    prompts = [[t % 128 for t in p] for p in make_prompts(3, [5, 7, 9], seed=11)]
+    texts = generate_texts(model, None, prompts, tokens=30, max_tokens=8, seed=0,
+                           engine_kwargs=dict(block_size=16, num_blocks=200), greedy_first=True)
+    assert texts[:3] == [p + stock_greedy(model, p, 8) for p in prompts]  # the first pass: greedy answers
+    assert len(texts) > 3 and texts[3][:5] == prompts[0] and texts[3] != texts[0]  # then sampled ones

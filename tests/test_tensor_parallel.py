@@ -549,3 +549,29 @@ def test_host_kv_tier_under_tensor_parallelism():
         engine.close()
     assert got[2] == stock_greedy(model, second, 6)
     assert tiers["host_hits"] >= 7
+
+
+def test_an_eagle3_head_drafts_on_rank_0_from_the_hidden_states_it_captures(monkeypatch):
+    """Under tensor parallelism rank 0 holds the whole hidden state between layers: its EAGLE-3 head drafts what
+    a plain forward of the head drafts. EAGLE-1 heads (the target's sharded lm_head) are refused, clearly."""
+    from hf_paged.spec_decode.speculator import Speculator
+    from tests.test_eagle import Recorder, random_eagle1, random_head, reference_drafts
+
+    monkeypatch.setattr(Speculator, "num_drafts", lambda self, state, max_len, cost=0.0: min(
+        3, state.params.max_tokens - len(state.output_token_ids) - 1))
+    model = make_model("llama", num_hidden_layers=4)
+    head = random_head(seed=2, draft_vocab=200, aux_layer_ids=[1, 3, 2])
+    recorder = Recorder(monkeypatch)
+    prompts = make_prompts(3, [9, 20, 33], seed=7)
+    engine = PagedGenerator(model, tensor_parallel_size=2, num_blocks=120, block_size=8,
+                            speculative_config=dict(method="eagle3", model=head, num_speculative_tokens=3))
+    outs = _tokens(engine.generate(prompts, GREEDY, use_tqdm=False))
+    with pytest.raises(NotImplementedError, match="EAGLE-1 heads .* run on one process"):
+        engine.add_request(prompts[0], GREEDY, speculative_config=dict(method="eagle", model=random_eagle1(),
+                                                                        num_speculative_tokens=2))
+    again = _tokens(engine.generate(prompts[:1], GREEDY, use_tqdm=False))  # the engine still serves
+    engine.close()
+    assert outs == [stock_greedy(model, p, NEW) for p in prompts] and again == outs[:1]
+    assert len(recorder.calls) > 5
+    for tokens, drafts in recorder.calls[:: max(1, len(recorder.calls) // 8)]:
+        assert drafts == reference_drafts(model, head, tokens, len(drafts)), len(tokens)

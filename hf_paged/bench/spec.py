@@ -3,13 +3,18 @@
 Copy-heavy chat prompts (repeat or lightly edit a given text) on the default model, greedy, up to 256 new
 tokens, stopping at EOS like a real request (greedy speculation emits exactly the tokens plain decoding
 emits, so every system does the same work; ``ignore_eos=True`` measures the model's made-up continuation
-after its answer instead). Batch 1 runs the first prompts one at a time; batch 16 submits 16 at once.
-Speed-ups are tokens per second over the engine without speculation, measured in the same run.
+after its answer instead). Batch 1 runs the first prompts one at a time; batch 16 and batch 64 submit that
+many at once (``batches`` picks which). Speed-ups are tokens per second over the engine without speculation,
+measured in the same run; mean acceptance length is 1 + accepted drafts per verification.
+
+With ``eagle_head`` (a head folder) the ``eagle`` system drafts with it: ``"eagle3"`` or ``"eagle"`` as its
+``config.json`` says (EAGLE-1 heads name ``EagleLlamaForCausalLM``), k = 3.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from hf_paged import PagedGenerator, SamplingParams
@@ -68,6 +73,8 @@ INSTRUCTIONS = [
 
 def spec_prompts(tokenizer, n: int = 16) -> list[list[int]]:
     chats = [INSTRUCTIONS[(i // len(TEXTS)) % len(INSTRUCTIONS)].format(TEXTS[i % len(TEXTS)]) for i in range(n)]
+    # past the 16 combinations a label keeps each prompt distinct (no prefix-cache hit on a whole prompt)
+    chats = [c if i < 16 else f"(Request {i}.) {c}" for i, c in enumerate(chats)]
     return [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True,
                                           return_dict=False) for c in chats]
 
@@ -79,8 +86,19 @@ SYSTEMS = {
 }
 
 
+def eagle_system(folder: str, k: int = 3) -> dict:
+    """The speculative config of the ``eagle`` system: the head in ``folder`` (ValueError: no head folder)."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"--eagle-head {folder!r}: not an EAGLE head folder (no config.json)")
+    with open(path) as f:
+        arch = json.load(f).get("architectures") or []
+    method = "eagle" if "EagleLlamaForCausalLM" in arch else "eagle3"
+    return {"method": method, "model": folder, "num_speculative_tokens": k}
+
+
 def _run(model, tok, prompts, spec, one_at_a_time: bool, max_tokens: int, ignore_eos: bool) -> dict:
-    engine = PagedGenerator(model, tok, max_num_seqs=16, speculative_config=spec)
+    engine = PagedGenerator(model, tok, max_num_seqs=max(16, len(prompts)), speculative_config=spec)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     engine.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
     engine.kv_manager.reset_prefix_cache()
@@ -95,33 +113,47 @@ def _run(model, tok, prompts, spec, one_at_a_time: bool, max_tokens: int, ignore
     engine.close()
     drafted = stats.spec_num_draft_tokens - base.spec_num_draft_tokens
     accepted = stats.spec_num_accepted_tokens - base.spec_num_accepted_tokens
+    verifications = stats.spec_num_drafts - base.spec_num_drafts
     tokens = sum(len(o.token_ids) for o in outs)
     return {"tokens": tokens, "seconds": round(seconds, 2), "tok_per_s": round(tokens / seconds, 2),
             "acceptance": round(accepted / drafted, 3) if drafted else None, "draft_tokens": drafted,
+            "mean_acceptance_length": round(1 + accepted / verifications, 3) if verifications else None,
             "outputs": [o.token_ids for o in outs]}
 
 
 def spec(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, max_tokens: int = 256,
-         batch1_prompts: int = 4, ignore_eos: bool = False, **_) -> dict:
+         batch1_prompts: int = 4, ignore_eos: bool = False, eagle_head: str | None = None,
+         batches: tuple[int, ...] = (1, 16), **_) -> dict:
+    all_systems = dict(SYSTEMS)
+    if eagle_head is not None:
+        all_systems["eagle"] = eagle_system(eagle_head)
+    bad = [b for b in batches if b not in (1, 16, 64)]
+    if bad:
+        raise ValueError(f"bench spec batch sizes {bad}: expected 1, 16 or 64")
     model, tok = load_default(parse_dtype(dtype))
-    prompts = spec_prompts(tok)
-    want = [s for s in SYSTEMS if systems is None or s in systems]
+    prompts = spec_prompts(tok, max(16, *batches))
+    want = [s for s in all_systems if systems is None or s in systems or (s == "eagle" and eagle_head)]
     table = {}
-    # batch 1: one prompt of each instruction and passage (0, 5, 10, 15); batch 16: all of them
-    for batch, group, alone in ((1, prompts[::5][:batch1_prompts], True), (16, prompts, False)):
+    # batch 1: one prompt of each instruction and passage (0, 5, 10, 15); batch 16 / 64: that many at once
+    for batch in batches:
+        group, alone = (prompts[::5][:batch1_prompts], True) if batch == 1 else (prompts[:batch], False)
         for name in want:
-            runs = [_run(model, tok, group, SYSTEMS[name], alone, max_tokens, ignore_eos) for _ in range(max(1, repeat))]
+            runs = [_run(model, tok, group, all_systems[name], alone, max_tokens, ignore_eos) for _ in range(max(1, repeat))]
             table[(batch, name)] = min(runs, key=lambda r: r["seconds"])
     print(f"\n== hf-paged bench spec ({dtype}, at most {max_tokens} new tokens, greedy, "
           f"{'EOS ignored' if ignore_eos else 'stop at EOS'}) ==")
-    print(f"{'batch':>5} {'system':<18} {'tokens':>7} {'time s':>8} {'tok/s':>8} {'speed-up':>9} {'acceptance':>11} {'same tokens':>12}")
-    payload = {"workload": "spec", "dtype": dtype, "results": {}, "machine": machine_info()}
+    print(f"{'batch':>5} {'system':<18} {'tokens':>7} {'time s':>8} {'tok/s':>8} {'speed-up':>9} {'acceptance':>11} "
+          f"{'mean len':>9} {'same tokens':>12}")
+    payload = {"workload": "spec", "dtype": dtype, "results": {}, "machine": machine_info(),
+               "eagle_head": eagle_head}
     for (batch, name), r in table.items():
         ref = table.get((batch, "no_spec"))
         speedup = r["tok_per_s"] / ref["tok_per_s"] if ref else float("nan")
         same = f"{sum(a == b for a, b in zip(r['outputs'], ref['outputs']))}/{len(r['outputs'])}" if ref else "-"
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        print(f"{batch:>5} {name:<18} {r['tokens']:>7} {r['seconds']:>8.2f} {r['tok_per_s']:>8.1f} {speedup:>8.2f}x {acc:>11} {same:>12}")
+        mal = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
+        print(f"{batch:>5} {name:<18} {r['tokens']:>7} {r['seconds']:>8.2f} {r['tok_per_s']:>8.1f} {speedup:>8.2f}x {acc:>11} "
+              f"{mal:>9} {same:>12}")
         payload["results"][f"batch{batch}/{name}"] = {k: v for k, v in r.items() if k != "outputs"} | {
             "speedup": round(speedup, 3), "same_tokens_as_no_spec": same}
     print(json.dumps(payload))

@@ -16,7 +16,7 @@ def system_names() -> dict[str, tuple[str, ...]]:
         "mixed": SYSTEMS["mixed"],
         "latency": (*SYSTEMS["latency"], EAGER, *QUANTIZED),
         "prefix": SYSTEMS["prefix"],
-        "spec": tuple(SPEC),
+        "spec": (*tuple(SPEC)[:-1], "eagle", *tuple(SPEC)[-1:]),  # eagle: with --eagle-head
         "serve": SERVE,
         "arrival": tuple(ARRIVAL),
         "replicas": ROUTINGS,

@@ -121,6 +121,20 @@ def cmd_bench(args) -> int:
             raise UsageError("the gguf_q4_1 systems run the default model's GGUF file; with --model-shape use int4 "
                              "or int8 (quantized at start)")
         extra["model_shape"] = args.model_shape
+    if (args.eagle_head is not None or args.batch_sizes is not None) and args.workload != "spec":
+        raise UsageError(f"--eagle-head and --batch-sizes apply to the spec workload, not {args.workload}")
+    if args.workload == "spec":
+        if systems is not None and "eagle" in systems and args.eagle_head is None:
+            raise UsageError("--systems eagle needs --eagle-head DIR (the head to draft with)")
+        if args.eagle_head is not None:
+            if not os.path.isfile(os.path.join(args.eagle_head, "config.json")):
+                raise UsageError(f"--eagle-head {args.eagle_head!r}: not an EAGLE head folder (no config.json)")
+            extra["eagle_head"] = args.eagle_head
+        if args.batch_sizes is not None:
+            sizes = _int_list(args.batch_sizes, "--batch-sizes")
+            if any(b not in (1, 16, 64) for b in sizes):
+                raise UsageError(f"--batch-sizes {args.batch_sizes!r}: each must be 1, 16 or 64")
+            extra["batches"] = tuple(sizes)
     if args.restart:
         from hf_paged.bench.kv_tiers import prefix_restart
 
@@ -394,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--requests", type=_positive_int, help="serve: requests per level (default max(N, 16), "
                        "at most the 64 chat prompts)")
     bench.add_argument("--max-tokens", type=_positive_int, help="serve: new tokens per answer (default 128)")
+    bench.add_argument("--eagle-head", metavar="DIR", help="spec: add the eagle system, drafting with the EAGLE-3 "
+                       "(or EAGLE-1) head in DIR, k = 3 (hf-paged train-eagle writes one)")
+    bench.add_argument("--batch-sizes", help="spec: the batch sizes to run, of 1,16,64 (default 1,16)")
     bench.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics "

@@ -22,6 +22,10 @@ def add_parser(sub, fmt, positive_int) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (cosine decay, short warm-up)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=positive_int, help="stop after this many texts in all (run again to resume)")
+    p.add_argument("--greedy-first", action="store_true", help="answer every prompt greedily first, then "
+                   "sample (default: greedy and sampled answers alternate)")
+    p.add_argument("--init-layer", action=argparse.BooleanOptionalAction, default=True,
+                   help="start the head's layer from the target's last decoder layer (--no-init-layer: at random)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train_eagle)
 
@@ -36,7 +40,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
 
     config = TrainConfig(tokens=args.tokens, max_tokens=args.max_tokens, draft_vocab_size=args.draft_vocab_size,
                          epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr, seed=args.seed,
-                         max_steps=args.max_steps)
+                         max_steps=args.max_steps, greedy_first=args.greedy_first, init_layer=args.init_layer)
     if args.prompts and not os.path.isfile(args.prompts):
         raise UsageError(f"--prompts {args.prompts!r}: no such file")
     prompts = read_prompts(args.prompts) if args.prompts else None

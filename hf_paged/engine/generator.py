@@ -239,7 +239,7 @@ class PagedGenerator(GeneratorClients, StructuredIntake, LoRAIntake):
         elif not build:
             check_speculative(spec)
         # a draft model or head writes its KV up to k - 1 slots past the sequence while drafting
-        lookahead = spec.num_speculative_tokens if spec.method in ("draft_model", "eagle3") else 0
+        lookahead = spec.num_speculative_tokens if spec.method in ("draft_model", "eagle3", "eagle") else 0
         return key, spec.num_speculative_tokens, lookahead, spec.disable_by_batch_size
 
     def _admit(self, request: Sequence, state: RequestState, queue_outputs: bool) -> None:

@@ -80,6 +80,8 @@ class ModelRunner:
         self.block_tables = BlockTables()
 
     def update_states(self, out: SchedulerOutput) -> None:
+        if out.finished_seq_ids:  # an EAGLE head writes its KV of what finished sequences leave in the cache
+            self.speculator.settle(out.finished_seq_ids, self.states, self.block_tables.lists)
         for seq_id in out.finished_seq_ids:
             self.states.pop(seq_id, None)
             self.block_tables.drop(seq_id)
@@ -199,9 +201,9 @@ class ModelRunner:
         """Run one step: take the scheduler's diffs, move blocks as scheduled, forward, sample."""
         self.update_states(out)
         self.move_blocks(out)
+        self.speculator.move_blocks(out)  # an empty step may carry tier moves too
         if out.is_empty:
             return ModelRunnerOutput()
-        self.speculator.move_blocks(out)
         step = Step(out.scheduled, self.prepare, self.hidden_layers)
         logits = self.compute_logits(step)
         self.last_hidden = step.hidden

@@ -271,10 +271,12 @@ class TensorParallelExecutor(Executor):
         self._fail(summary, f"{summary}: {_first_line(e)}", e)
 
     def add_proposer(self, key: str, spec) -> None:
-        if spec.method == "eagle3":
-            raise NotImplementedError("EAGLE-3 speculative decoding runs on one process; tensor-parallel engines "
-                                      "support methods 'ngram' and 'draft_model'")
-        if spec.self_draft_layers is None:  # ngram, or a separate draft model: rank 0's alone
+        if spec.method == "eagle":  # its logits are the target's lm_head, whose vocabulary shards span the ranks
+            raise NotImplementedError("EAGLE-1 heads (method 'eagle') run on one process; tensor-parallel engines "
+                                      "support 'ngram', 'draft_model' and 'eagle3'")
+        # ngram, a separate draft model or an EAGLE-3 head: rank 0's alone (the head reads the hidden states rank 0
+        # captures: every rank holds the whole hidden state between decoder layers; its lm_head is its own)
+        if spec.self_draft_layers is None:
             self.inner.add_proposer(key, spec)
             return
         layers = spec.self_draft_layers

@@ -31,6 +31,8 @@ from hf_paged.executor.kv_pool import KVPool, decide_num_blocks, probe_kv_layout
 from hf_paged.model.hf_config import chunked_attention_size, text_config
 from hf_paged.spec_decode.draft_model import DraftModelProposer
 from hf_paged.executor.step_runners import decoder_layers
+from hf_paged.spec_decode.eagle.eagle1 import Eagle1Head
+from hf_paged.spec_decode.eagle.eagle1_loading import check_eagle1, eagle1_layers
 from hf_paged.spec_decode.eagle.head import EagleHead
 from hf_paged.spec_decode.eagle.loading import aux_layers, check_head, load_head
 from hf_paged.spec_decode.eagle.proposer import EagleProposer
@@ -231,7 +233,7 @@ def make_proposer(spec, runner, max_model_len: int, announce=None, cfg: EngineCo
     check_speculative(spec)
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if spec.method == "eagle3":
+    if spec.method in ("eagle3", "eagle"):
         return make_eagle_proposer(spec, runner)
     draft = spec.model
     if isinstance(draft, str) and spec.self_draft_layers is None:
@@ -249,14 +251,26 @@ def make_eagle_proposer(spec, runner) -> EagleProposer:
     """An EAGLE-3 proposer for ``spec.model`` (a head folder or a loaded head), and the runner told to capture
     the hidden states of the head's layers from now on (every step, by whichever step runner serves it)."""
     head = spec.model
-    if isinstance(head, str):
-        head = load_head(head, runner.model)
-    elif not isinstance(head, EagleHead):
-        raise TypeError(f"speculative_config method 'eagle3' takes a head folder or an EagleHead, got {type(head).__name__}")
+    num_layers = len(decoder_layers(runner.model))
+    if spec.method == "eagle":
+        if isinstance(head, str):
+            head = load_head(head, runner.model, method="eagle")
+        elif not isinstance(head, Eagle1Head):
+            raise TypeError(f"speculative_config method 'eagle' takes a head folder or an Eagle1Head, got {type(head).__name__}")
+        else:
+            check_eagle1(head, runner.model)
+        layers = eagle1_layers(num_layers)
     else:
-        check_head(head, runner.model)
-    layers = aux_layers(head.config, len(decoder_layers(runner.model)))
-    proposer = EagleProposer(head, layers, runner.model, runner.pool, runner.prepare_batch, runner.attention_layers)
+        if isinstance(head, str):
+            head = load_head(head, runner.model)
+        elif not isinstance(head, EagleHead):
+            raise TypeError(f"speculative_config method 'eagle3' takes a head folder or an EagleHead, got {type(head).__name__}")
+        else:
+            check_head(head, runner.model)
+        layers = aux_layers(head.config, num_layers)
+    tier_slots = runner.tiers.num_host_slots if runner.tiers is not None else 0
+    proposer = EagleProposer(head, layers, runner.model, runner.pool, runner.prepare_batch, runner.attention_layers,
+                             tier_slots)
     runner.capture_hidden(tuple(set(runner.hidden_layers) | set(layers)))
     return proposer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle3", "eagle")
 
 
 @dataclass
@@ -15,14 +15,16 @@ class SpeculativeConfig:
     Args:
         method: "ngram" (prompt lookup: copy what followed an earlier occurrence of the sequence's suffix)
             or "draft_model" (a smaller model, or the target's own first layers, drafts greedily), or
-            "eagle3" (an EAGLE-3 head reads the target's hidden states of three layers and drafts greedily).
+            "eagle3" (an EAGLE-3 head reads the target's hidden states of three layers and drafts greedily), or
+            "eagle" (an EAGLE-1 head reads the target's last hidden state and drafts greedily).
         num_speculative_tokens: Drafts proposed per step and request (k >= 1).
         prompt_lookup_min: Shortest suffix n-gram the n-gram proposer matches (>= 1).
         prompt_lookup_max: Longest suffix n-gram it tries first (>= prompt_lookup_min).
         model: For "draft_model": a ``transformers`` causal LM with the target's vocabulary, a local folder
             to load one from, or ``"self:N"`` for the target's own first N layers (no second model). For
             "eagle3": the folder of an EAGLE-3 head (vLLM's and SpecForge's layout), or a loaded
-            :class:`~hf_paged.spec_decode.eagle.EagleHead`.
+            :class:`~hf_paged.spec_decode.eagle.EagleHead`. For "eagle": the folder of an EAGLE-1 head (vLLM's
+            ``llama_eagle.py`` layout), or a loaded :class:`~hf_paged.spec_decode.eagle.Eagle1Head`.
         disable_by_batch_size: Speculate only while fewer sequences than this are queued (None, the default
             as in vLLM: at any batch size; each sequence's drafting still adapts to its acceptance).
     """
@@ -64,13 +66,14 @@ class SpeculativeConfig:
                 n = self.model[5:]
                 if not n.isdigit() or int(n) < 1:
                     raise ValueError(f"speculative_config model {self.model!r}: expected 'self:N' with N >= 1 layers")
-        elif self.method == "eagle3":
+        elif self.method in ("eagle3", "eagle"):
+            kind = "EAGLE-3" if self.method == "eagle3" else "EAGLE-1"
             if self.model is None:
-                raise ValueError("speculative_config method 'eagle3' needs a model: the folder of an EAGLE-3 head")
+                raise ValueError(f"speculative_config method {self.method!r} needs a model: the folder of an {kind} head")
             if isinstance(self.model, str) and self.model.startswith("self:"):
-                raise ValueError(f"speculative_config method 'eagle3' needs an EAGLE-3 head folder, not {self.model!r}")
+                raise ValueError(f"speculative_config method {self.method!r} needs an {kind} head folder, not {self.model!r}")
         elif self.model is not None:
-            raise ValueError(f"speculative_config model is for methods 'draft_model' and 'eagle3', not {self.method!r}")
+            raise ValueError(f"speculative_config model is for methods 'draft_model', 'eagle3' and 'eagle', not {self.method!r}")
 
     @property
     def self_draft_layers(self) -> int | None:

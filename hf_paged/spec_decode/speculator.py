@@ -33,8 +33,8 @@ def spec_key(config: SpeculativeConfig) -> str:
         return f"ngram:{config.prompt_lookup_min}:{config.prompt_lookup_max}"
     if config.self_draft_layers is not None:
         return f"self:{config.self_draft_layers}"
-    if config.method == "eagle3":
-        return f"eagle3:{id(config.model) if not isinstance(config.model, str) else config.model}"
+    if config.method in ("eagle3", "eagle"):
+        return f"{config.method}:{id(config.model) if not isinstance(config.model, str) else config.model}"
     return f"draft:{id(config.model) if not isinstance(config.model, str) else config.model}"
 
 
@@ -91,6 +91,14 @@ class Speculator:
             observe = getattr(proposer, "observe", None)
             if observe is not None and hidden:
                 observe(scheduled, hidden, lambda seq_id, key=key: getattr(states.get(seq_id), "spec_key", None) == key)
+
+    def settle(self, finished: Sequence[int], states: Mapping, tables: Mapping) -> None:
+        """Before finished sequences are dropped: proposers with KV of their own that follows the target's
+        blocks (EAGLE heads) complete it for the blocks those sequences leave in the prefix cache."""
+        for key, proposer in list(self.proposers.items()):
+            settle = getattr(proposer, "settle", None)
+            if settle is not None:
+                settle([states[s] for s in finished if getattr(states.get(s), "spec_key", None) == key], tables)
 
     def forget(self, finished: Sequence[int], preempted: Sequence[int]) -> None:
         for proposer in list(self.proposers.values()):

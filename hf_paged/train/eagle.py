@@ -41,6 +41,8 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 200
     max_steps: int | None = None  # stop after this many steps in all (a later run resumes)
+    greedy_first: bool = False  # answer every prompt greedily first, then sample (default: alternate)
+    init_layer: bool = True  # start the head's layer from the target's last decoder layer (else at random)
 
     def __post_init__(self) -> None:
         for name in ("tokens", "max_tokens", "draft_vocab_size", "epochs", "ttt_steps", "save_every"):
@@ -83,6 +85,34 @@ def init_head(model: torch.nn.Module, config: EagleHeadConfig, vocab: torch.Tens
         head.t2d.zero_()
         head.t2d[vocab] = True
     return head
+
+
+def copy_last_layer(model: torch.nn.Module, head: EagleHead) -> bool:
+    """Start the head's layer from the target's last decoder layer (False where the shapes or names differ).
+
+    The attention projections read ``[embedding, hidden]`` (2H): both halves start as the target's weight, so
+    the layer first sees the sum of the two as the target's layer would see one hidden state."""
+    from hf_paged.executor.step_runners import decoder_layers
+
+    last = decoder_layers(model)[-1]
+    mid = head.midlayer
+    try:
+        pairs = [(mid.self_attn.o_proj.weight, last.self_attn.o_proj.weight)]
+        pairs += [(getattr(mid.mlp, f"{n}_proj").weight, getattr(last.mlp, f"{n}_proj").weight) for n in ("gate", "up", "down")]
+        pairs += [(mid.post_attention_layernorm.weight, last.post_attention_layernorm.weight),
+                  (mid.input_layernorm.weight, last.input_layernorm.weight),
+                  (mid.hidden_norm.weight, last.input_layernorm.weight)]
+        qkv = [(getattr(mid.self_attn, f"{n}_proj").weight, getattr(last.self_attn, f"{n}_proj").weight) for n in "qkv"]
+    except AttributeError:
+        return False
+    if any(a.shape != b.shape for a, b in pairs) or any(a.shape != (b.shape[0], 2 * b.shape[1]) for a, b in qkv):
+        return False
+    with torch.no_grad():
+        for a, b in pairs:
+            a.copy_(b.float())
+        for a, b in qkv:
+            a.copy_(torch.cat([b, b], dim=1).float())
+    return True
 
 
 def ttt_attend(history: list, j: int, scale: float):
@@ -152,6 +182,8 @@ def train_eagle(model: torch.nn.Module, tokenizer, out: str, config: TrainConfig
     data = _data(model, tokenizer, out, config, prompts, layers, engine_kwargs)
     vocab, records = data["vocab"], data["records"]
     head = init_head(model, head_cfg, vocab, config.seed)
+    if config.init_layer and not copy_last_layer(model, head):
+        logger.warning("the target's last decoder layer does not fit the head's layer: it starts at random")
     # the target's embedding, frozen: gradients stay in the head (a loaded head shares the target's again)
     head._shared_embedding[0] = torch.nn.Embedding.from_pretrained(
         model.get_input_embeddings().weight.detach().float(), freeze=True)
@@ -201,6 +233,8 @@ def _data(model, tokenizer, out, config: TrainConfig, prompts, layers, engine_kw
     path = os.path.join(out, "train_data.pt")
     key = {"tokens": config.tokens, "max_tokens": config.max_tokens, "seed": config.seed,
            "draft_vocab_size": config.draft_vocab_size, "layers": list(layers)}
+    if config.greedy_first:
+        key["greedy_first"] = True
     if os.path.isfile(path):
         data = torch.load(path, weights_only=False)
         if data["key"] == key:
@@ -208,7 +242,7 @@ def _data(model, tokenizer, out, config: TrainConfig, prompts, layers, engine_kw
             return data
         logger.info("EAGLE training data in %s is for other settings: generating anew", path)
     texts = train_data.generate_texts(model, tokenizer, prompts or train_data.shipped_prompts(), config.tokens,
-                                      config.max_tokens, config.seed, engine_kwargs)
+                                      config.max_tokens, config.seed, engine_kwargs, config.greedy_first)
     vocab = train_data.draft_vocabulary(texts, config.draft_vocab_size, model.get_output_embeddings().weight.shape[0])
     data = {"key": key, "vocab": vocab, "records": train_data.record(model, texts, layers)}
     torch.save(data, path + ".tmp")

@@ -68,9 +68,11 @@ def encode(tokenizer, prompt) -> list[int]:
 
 
 def generate_texts(model, tokenizer, prompts: list, tokens: int, max_tokens: int, seed: int,
-                   engine_kwargs: dict | None = None) -> list[list[int]]:
+                   engine_kwargs: dict | None = None, greedy_first: bool = False) -> list[list[int]]:
     """Prompt + answer token ids from the engine until the answers hold ``tokens`` tokens (greedy and sampled
-    at temperature 0.8 in turn, cycling through ``prompts`` with new seeds)."""
+    at temperature 0.8 in turn, cycling through ``prompts`` with new seeds). ``greedy_first``: the first pass
+    over the prompts answers all of them greedily (the answers a greedy benchmark sees), later passes sample
+    (greedy answers would repeat)."""
     from hf_paged import PagedGenerator, SamplingParams
 
     ids = [encode(tokenizer, p) for p in prompts]
@@ -79,7 +81,8 @@ def generate_texts(model, tokenizer, prompts: list, tokens: int, max_tokens: int
     total, round_ = 0, 0
     try:
         while total < tokens:
-            params = [SamplingParams(max_tokens=max_tokens, temperature=0.0 if (i + round_) % 2 == 0 else 0.8,
+            greedy = [(round_ == 0) if greedy_first else (i + round_) % 2 == 0 for i in range(len(ids))]
+            params = [SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy[i] else 0.8,
                                      seed=seed + round_ * len(ids) + i) for i in range(len(ids))]
             for prompt, out in zip(ids, engine.generate(ids, params, use_tqdm=False)):
                 if out.token_ids and total < tokens:

@@ -105,13 +105,22 @@ class _RMSNorm(nn.Module):
 
 
 class _Attention(nn.Module):
-    def __init__(self, cfg: EagleHeadConfig) -> None:
+    def __init__(self, cfg: EagleHeadConfig, inputs: int = 2) -> None:
         super().__init__()
         h, nh, nkv, hd, bias = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.attention_bias
-        self.q_proj = nn.Linear(2 * h, nh * hd, bias=bias)
-        self.k_proj = nn.Linear(2 * h, nkv * hd, bias=bias)
-        self.v_proj = nn.Linear(2 * h, nkv * hd, bias=bias)
+        self.q_proj = nn.Linear(inputs * h, nh * hd, bias=bias)
+        self.k_proj = nn.Linear(inputs * h, nkv * hd, bias=bias)
+        self.v_proj = nn.Linear(inputs * h, nkv * hd, bias=bias)
         self.o_proj = nn.Linear(nh * hd, h, bias=bias)
+
+    def attend(self, cfg: EagleHeadConfig, x: torch.Tensor, positions: torch.Tensor, rope, attend: Attend) -> torch.Tensor:
+        """``o_proj`` of attention over ``x`` ``[T, inputs * H]`` (RoPE by ``rope(q, k, positions)``)."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x).view(t, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x).view(t, cfg.num_key_value_heads, cfg.head_dim)
+        q, k = rope(q, k, positions)
+        return self.o_proj(attend(q, k, v).reshape(t, cfg.num_attention_heads * cfg.head_dim))
 
 
 class _MLP(nn.Module):
@@ -183,15 +192,12 @@ class EagleHead(nn.Module):
         normed = layer.hidden_norm(hidden)
         residual = normed if cfg.norm_before_residual else hidden
         x = torch.cat([embeds, normed], dim=-1)
-        attn = layer.self_attn
-        t = x.shape[0]
-        q = attn.q_proj(x).view(t, cfg.num_attention_heads, cfg.head_dim)
-        k = attn.k_proj(x).view(t, cfg.num_key_value_heads, cfg.head_dim)
-        v = attn.v_proj(x).view(t, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = self._rope(q, k, positions)
-        out = attend(q, k, v).reshape(t, cfg.num_attention_heads * cfg.head_dim)
-        residual = attn.o_proj(out) + residual
+        residual = layer.self_attn.attend(cfg, x, positions, self._rope, attend) + residual
         return layer.mlp(layer.post_attention_layernorm(residual)) + residual
+
+    def feed(self, rows: torch.Tensor) -> torch.Tensor:
+        """The hidden input of the catch-up forward from the target's captured rows ``[T, 3H]``: ``fc`` of them."""
+        return self.fc(rows.to(self.fc.weight.dtype))
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits ``[N, draft_vocab_size]`` of head outputs ``[N, H]``."""

@@ -76,28 +76,43 @@ def _read_weights(folder: str) -> dict[str, torch.Tensor]:
         state = torch.load(os.path.join(folder, "pytorch_model.bin"), map_location="cpu", weights_only=True)
     else:
         raise ValueError(f"{folder!r} is not an EAGLE head folder: no *.safetensors or pytorch_model.bin weights")
-    out = {}
-    for key, value in state.items():
-        if key.startswith("model."):
-            key = key[len("model."):]
-        if key.startswith("layers.0."):
-            key = "midlayer." + key[len("layers.0."):]
-        out[key] = value
-    return out
+    return {(k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()}
+
+
+def _eagle3_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
+
+
+def _which_method(folder: str, cfg: EagleHeadConfig, state: dict[str, torch.Tensor], wanted: str) -> None:
+    """ValueError when the folder holds the other kind of EAGLE head (told by ``fc``'s input width)."""
+    fc = state.get("fc.weight")
+    if fc is None or fc.dim() != 2:
+        return
+    width = fc.shape[1]
+    if wanted == "eagle3" and width == 2 * cfg.hidden_size and width != 3 * cfg.target_hidden_size:
+        raise ValueError(f"{folder!r} is an EAGLE-1 head (fc takes 2 x {cfg.hidden_size}): use method 'eagle'")
+    if wanted == "eagle" and width == 3 * cfg.target_hidden_size:
+        raise ValueError(f"{folder!r} is an EAGLE-3 head (fc takes 3 x {cfg.target_hidden_size}): use method 'eagle3'")
 
 
 def load_head(folder: str, target: torch.nn.Module | None = None, dtype: torch.dtype | None = None,
-              device: torch.device | str | None = None) -> EagleHead:
-    """The EAGLE-3 head in ``folder``, checked against ``target`` where given.
+              device: torch.device | str | None = None, method: str = "eagle3"):
+    """The EAGLE-3 head (``method="eagle"``: the EAGLE-1 head) in ``folder``, checked against ``target`` where given.
 
     Raises:
         ValueError: The folder is not a head (no config.json, missing weights, wrong shapes), or the head does
             not fit ``target`` (its hidden size, vocabulary or number of layers).
     """
+    if method == "eagle":
+        from hf_paged.spec_decode.eagle.eagle1_loading import load_eagle1
+
+        return load_eagle1(folder, target, dtype, device)
     if not os.path.isdir(folder):
         raise ValueError(f"EAGLE head {folder!r}: no such folder")
     cfg = _read_config(folder)
     state = _read_weights(folder)
+    _which_method(folder, cfg, state, "eagle3")
+    state = _eagle3_names(state)
     missing = [k for k in REQUIRED if k not in state]
     if missing:
         hint = " (a whole model: use method 'draft_model' for it)" if any(".layers.1." in k for k in state) else ""

@@ -10,10 +10,17 @@ Each further draft is a one-token forward for the batch at the next head positio
 
 The head's KV pool has the target's block size and block count and is indexed by the target's block tables
 and slots (the scheduler sets aside ``k`` lookahead slots per proposing sequence, as for a draft model), so it
-needs no memory management of its own; the step's copy-on-write copies apply to it too (:meth:`move_blocks`).
+needs no memory management of its own. Every move of the target's blocks moves the head's KV of those blocks
+too (:meth:`move_blocks`): copy-on-write copies, swaps to host memory and back (the head pool has as many host
+blocks as the target's), and the host KV tier's demotions and promotions (the head keeps host slots of its own,
+as many as the tier). So after a prefix-cache hit in the pool or in the host tier, or a swap-in, the head reads
+the KV it wrote when those positions were computed, and drafts as if the target had computed them again.
 Drafted head positions are overwritten by the next catch-up. A forked sample (n > 1) inherits its parent's
-pending rows. Where the target did not compute a position (a prefix-cache hit, a sequence swapped out and back
-in), the head reads whatever its pool holds there: drafts may be worse, output never changes (verification).
+pending rows. When a sequence finishes, the head catches up over the rows it still holds in full blocks
+(:meth:`settle`), so a later request that hits those cached blocks finds the head's KV there even if the
+sequence stopped drafting (e.g. under ``disable_by_batch_size``). Blocks read back from the disk tier still
+leave head positions unwritten (its files hold the target's KV only), as do rows past ``MAX_PENDING``; there the
+head reads what its pool holds, so drafts may be worse, and output never changes (verification).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 from hf_paged.attention.layer import AttentionFacts
 from hf_paged.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from hf_paged.executor.kv_pool import KVPool, LayerKVSpec, copy_blocks
+from hf_paged.executor.kv_tiers import HostTier
 from hf_paged.spec_decode.draft_model import matmul_params
 from hf_paged.spec_decode.eagle.head import EagleHead
 
@@ -46,10 +54,11 @@ class EagleProposer:
         target_pool: The engine's KV pool (the head's pool copies its block size and count).
         prepare_batch: The model runner's ``prepare_batch`` (packs sequences over attention layers and tables).
         attention_layers: The model runner's ``attention_layers`` (layer objects over a pool, engine backend).
+        tier_slots: The host KV tier's slot count (0: the engine has none); the head keeps as many of its own.
     """
 
     def __init__(self, head: EagleHead, layers: tuple[int, ...], target: torch.nn.Module, target_pool: KVPool,
-                 prepare_batch, attention_layers) -> None:
+                 prepare_batch, attention_layers, tier_slots: int = 0) -> None:
         self.head = head
         self.layers = tuple(layers)
         self.prepare_batch = prepare_batch
@@ -58,25 +67,42 @@ class EagleProposer:
         facts = AttentionFacts(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim,
                                cfg.head_dim ** -0.5)
         spec = LayerKVSpec(cfg.num_key_value_heads, cfg.head_dim, dtype, "auto", facts)
-        self.pool = KVPool([spec], target_pool.num_blocks, target_pool.block_size, target_pool.device)
+        self.pool = KVPool([spec], target_pool.num_blocks, target_pool.block_size, target_pool.device,
+                           target_pool.num_host_blocks)
+        # the host tier's copies of the head's KV (exact: the drafts then do not depend on where a block was)
+        self.tier = HostTier(self.pool, tier_slots, compress=False) if tier_slots else None
         self.attention = attention_layers(self.pool)
         self.block_size = target_pool.block_size
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # seq -> (first position, [m, 3H] target rows)
-        self.relative_cost = matmul_params(head) / max(1, matmul_params(target))
+        shared = getattr(head, "_shared_lm_head", [None])[0]  # an EAGLE-1 head runs the target's lm_head
+        own = matmul_params(head) + (shared.weight.numel() if shared is not None and hasattr(shared, "weight") else 0)
+        self.relative_cost = own / max(1, matmul_params(target))
         logger.info("EAGLE head: KV pool of %.1f MiB, %.3f of a target forward per drafted token",
                     self.pool.total_bytes / 2**20, self.relative_cost)
 
     def close(self) -> None:
         self.pool.kv_caches.clear()
+        self.pool.host_caches.clear()
+        self.tier = None
         self.pending.clear()
 
     def forget(self, finished, preempted=()) -> None:
-        for seq_id in (*finished, *preempted):
+        # a preempted sequence keeps its rows: swapped, it continues where it stopped (its head KV moved with its
+        # blocks); recomputed, the target's new rows replace them from where it starts again (observe)
+        for seq_id in finished:
             self.pending.pop(seq_id, None)
 
     def move_blocks(self, out: SchedulerOutput) -> None:
+        """The step's moves of the target's blocks, done to the head's KV too, in the runner's order."""
         self.pool.commit(out.blocks_high_water)
+        moves = out.tier_moves
+        if self.tier is not None and moves is not None:
+            self.tier.demote(moves.demote)
+        self.pool.swap_out(out.swap_out)
+        self.pool.swap_in(out.swap_in)
         copy_blocks(self.pool.kv_caches, out.block_copies)
+        if self.tier is not None and moves is not None:
+            self.tier.promote(moves.promote)
 
     def observe(self, scheduled: list[ScheduledSequence], hidden: dict[int, torch.Tensor], mine) -> None:
         """Keep this step's target hidden states of the sequences ``mine(seq_id)`` says this proposer drafts for."""
@@ -104,6 +130,27 @@ class EagleProposer:
         self.pending[seq_id] = (start, rows)
 
     @torch.inference_mode()
+    def settle(self, states, tables) -> None:
+        """Catch the head's KV up over the rows finished sequences still hold, in their full blocks (the ones the
+        prefix cache keeps). This runs before the step's forward: a block already handed to a new sequence gets
+        its head KV rewritten by that sequence's own catch-up before the head reads it."""
+        batch, rows = [], []
+        for state in states:
+            pend, table = self.pending.pop(state.seq_id, None), tables.get(state.seq_id)
+            if pend is None or table is None:
+                continue
+            tokens = state.prompt_token_ids + state.output_token_ids
+            start, held = pend
+            end = min(start + held.shape[0], len(tokens) - 1, len(table) * self.block_size)
+            end = end // self.block_size * self.block_size  # full blocks only: a partial one is never cached
+            if end <= start:
+                continue
+            batch.append(ScheduledSequence(state.seq_id, start, tokens[start + 1 : end + 1], [], True))
+            rows.append(held[: end - start])
+        if batch:
+            self._forward(batch, tables, self.head.feed(torch.cat(rows)))
+
+    @torch.inference_mode()
     def propose(self, states, num_tokens: list[int], tables: dict[int, list[int]]) -> list[list[int]]:
         jobs = []  # (seq id, tokens, k, first head position, target rows)
         for state, k in zip(states, num_tokens):
@@ -123,7 +170,7 @@ class EagleProposer:
             return [[] for _ in states]
         head = self.head
         batch = [ScheduledSequence(seq, start, tokens[start + 1 :], [], True) for seq, tokens, _, start, _ in jobs]
-        fed = head.fc(torch.cat([rows for *_, rows in jobs]).to(head.fc.weight.dtype))
+        fed = head.feed(torch.cat([rows for *_, rows in jobs]))
         prenorm = self._forward(batch, tables, fed)  # catch-up; its last row per sequence drafts the first token
         wanted = {seq: k for seq, _, k, _, _ in jobs}
         drafts: dict[int, list[int]] = {seq: [] for seq in wanted}
