@@ -17,6 +17,9 @@ decode-only step (:mod:`hf_paged.core.prefill_pacer`).
 
 Scheduling order is arrival (``scheduling_policy="fcfs"``) or ``(priority, arrival)`` with lower values
 first (``"priority"``, vLLM's convention); the victim of a preemption is always the last in that order.
+
+The moves between the queues (preemption, finishing) live in :mod:`hf_paged.core.scheduler_queues`, and what
+happens after the forward in :mod:`hf_paged.core.scheduler_update`; both are mixins of :class:`Scheduler`.
 """
 
 from __future__ import annotations
