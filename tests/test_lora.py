@@ -208,8 +208,8 @@ def test_native_program_runs_adapter_steps(setup, names):
 
 
 def test_swap_preemption_and_quantized_base_with_adapters(tmp_path):
-    """Swapped-out adapter rows come back with their adapter; an int8 base applies the slots too (the adapter
-    changes its tokens)."""
+    """Swapped-out adapter rows come back with their adapter; on an int8 base the adapter rows equal PEFT's on the
+    same quantized layers."""
     base = make_model("llama")
     peft_model = make_adapter(base, tmp_path, seed=23, **ADAPTERS["a"])
     req = LoRARequest("a", 1, str(tmp_path))
@@ -223,10 +223,30 @@ def test_swap_preemption_and_quantized_base_with_adapters(tmp_path):
         assert engine.stats().num_preemptions["swap"] > 0
     assert [o.outputs[0].token_ids for o in outs] == refs
 
-    with PagedGenerator(base, enable_lora=True, max_lora_rank=8, num_blocks=64, quantization="int8") as engine:
-        quant_base, quant_lora = (engine.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=r)[0]
+    # an int8 base: the reference is PEFT's model with every linear (its LoRA layers' base layers and the LM head
+    # too) replaced by the QuantLinear the engine makes from the same float weights, float activations
+    from hf_paged.model.layers.quant_linear import QuantLinear
+    from hf_paged.model.layers.quantize import QuantizedLinears
+
+    quantized = copy.deepcopy(base)
+    QuantizedLinears(quantized, "int8", "float")
+    quant_peft = copy.deepcopy(peft_model)
+    inner = quant_peft.base_model.model
+    for name, module in quantized.named_modules():
+        if isinstance(module, QuantLinear):
+            parent, _, leaf = name.rpartition(".")
+            target = inner.get_submodule(name)
+            if hasattr(target, "base_layer"):  # a PEFT LoRA layer: its base layer becomes the quantized one
+                target.base_layer = module
+            else:
+                setattr(inner.get_submodule(parent) if parent else inner, leaf, module)
+    with PagedGenerator(base, enable_lora=True, max_lora_rank=8, num_blocks=64, quantization="int8",
+                        quant_activations="float") as engine:
+        quant_base, quant_lora = (engine.generate(prompts[:2], GREEDY, use_tqdm=False, lora_request=[r, r])
                                   for r in (None, req))
-    assert quant_lora.outputs[0].token_ids != quant_base.outputs[0].token_ids
+    for outs, model in ((quant_lora, quant_peft), (quant_base, quantized)):
+        assert [o.outputs[0].token_ids for o in outs] == [stock_greedy(model, p, MAX_TOKENS) for p in prompts[:2]]
+    assert quant_lora[0].outputs[0].token_ids != quant_base[0].outputs[0].token_ids
 
 
 def test_another_engine_on_the_model_never_gets_an_adapter_steps_deltas(tmp_path):

@@ -60,12 +60,13 @@ def run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
 PYTHON_SNIPPETS = blocks(README, "python")
 
 
-def test_readme_shows_the_four_snippets():
-    assert len(PYTHON_SNIPPETS) == 4, "the engine, transformers, structured output and quantized-weights snippets"
+def test_readme_shows_the_five_snippets():
+    assert len(PYTHON_SNIPPETS) == 5, "the engine, transformers, structured output, quantized-weights, LoRA snippets"
     assert "PagedGenerator" in PYTHON_SNIPPETS[0] and "apply_chat_template" in PYTHON_SNIPPETS[0]
     assert all(name in PYTHON_SNIPPETS[1] for name in ("hf_paged.wrap", "model.generate", "pipeline("))
     assert "structured_outputs" in PYTHON_SNIPPETS[2]
     assert "quantized=True" in PYTHON_SNIPPETS[3]
+    assert "enable_lora=True" in PYTHON_SNIPPETS[4] and "examples/lora_upper" in PYTHON_SNIPPETS[4]
     commands = {argv[0] for argv in cli_lines(README) if argv}
     assert {"generate", "serve", "chat"} <= commands
     assert len(README.read_text().splitlines()) <= 200, "the README stays short: depth goes to docs/"
@@ -86,6 +87,13 @@ def test_readme_python_snippet_runs(index):
         import json
 
         assert "city" in json.loads(result.stdout.strip().splitlines()[-1])
+    if index == 4:  # one batch: the base row answers as the base model, the example adapter's row in capitals
+        import ast
+
+        base, adapted = ast.literal_eval(result.stdout.strip().splitlines()[-1])
+        letters = [c for c in adapted if c.isalpha()]
+        assert letters and sum(c.isupper() for c in letters) > 0.8 * len(letters), adapted
+        assert any(c.islower() for c in base), base
 
 
 @pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: p.name)
