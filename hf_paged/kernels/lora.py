@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from hf_paged.kernels.ops import triton_available
+
 BACKENDS = ("auto", "torch", "triton")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -25,22 +27,14 @@ def resolve(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"LoRA kernel backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
     if backend == "triton":
-        if not _triton_available():
+        if not triton_available():
             raise ImportError("the Triton LoRA kernels need the triton package: pip install 'hf-paged[triton]'")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"the Triton LoRA kernels run on CUDA tensors, got device {device}; on CPU only under "
                              "the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported)")
     return backend
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401 - only whether it imports
-    except ImportError:
-        return False
-    return True
 
 
 def check(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, index: torch.Tensor,

@@ -32,7 +32,7 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = tor
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         if device.type == "cuda":
-            return "triton" if _triton_available() else "torch"
+            return "triton" if triton_available() else "torch"
         return "cpu" if device.type == "cpu" and cpu_attention.available(dtype) else "torch"
     if backend == "cpu":
         if device.type != "cpu":
@@ -43,7 +43,7 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = tor
                 f"({cpu_attention.unavailable_reason(dtype)}); use 'torch' or 'auto'"
             )
     if backend == "triton":
-        if not _triton_available():
+        if not triton_available():
             raise ImportError("attention_backend='triton' needs the triton package: pip install 'hf-paged[triton]'")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
@@ -53,7 +53,7 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = tor
     return backend
 
 
-def _triton_available() -> bool:
+def triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -12,7 +12,7 @@ import os
 import torch
 
 from hf_paged.spec_decode.eagle.eagle1 import REQUIRED, Eagle1Head, final_norm
-from hf_paged.spec_decode.eagle.loading import _read_config, _read_weights, _which_method
+from hf_paged.spec_decode.eagle.head_files import read_config, read_weights, which_method
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +31,9 @@ def load_eagle1(folder: str, target: torch.nn.Module | None = None, dtype: torch
     """
     if not os.path.isdir(folder):
         raise ValueError(f"EAGLE head {folder!r}: no such folder")
-    cfg = _read_config(folder)
-    state = _read_weights(folder)
-    _which_method(folder, cfg, state, "eagle")
+    cfg = read_config(folder)
+    state = read_weights(folder)
+    which_method(folder, cfg, state, "eagle")
     missing = [k for k in REQUIRED if k not in state]
     if missing:
         hint = " (a whole model: use method 'draft_model' for it)" if any("layers.1." in k for k in state) else ""

@@ -15,6 +15,7 @@ import os
 import torch
 
 from hf_paged.spec_decode.eagle.head import EagleHead, EagleHeadConfig
+from hf_paged.spec_decode.eagle.head_files import read_config, read_weights, which_method
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,6 @@ REQUIRED = (
     *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
     *(f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")),
 )
-_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
 def aux_layers(config: EagleHeadConfig, num_target_layers: int) -> tuple[int, ...]:
@@ -46,53 +46,8 @@ def aux_layers(config: EagleHeadConfig, num_target_layers: int) -> tuple[int, ..
     return tuple(i - 1 for i in ids)
 
 
-def _read_config(folder: str) -> EagleHeadConfig:
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"{folder!r} is not an EAGLE head folder: it has no config.json")
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{folder!r}: config.json cannot be read as JSON: {e}") from e
-    missing = [k for k in _CONFIG_KEYS if not isinstance(raw.get(k), int)]
-    if missing:
-        raise ValueError(f"{folder!r} is not an EAGLE head: config.json lacks integer {missing}")
-    try:
-        return EagleHeadConfig.from_dict(raw)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{folder!r}: config.json does not describe an EAGLE head: {e}") from e
-
-
-def _read_weights(folder: str) -> dict[str, torch.Tensor]:
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
-    state: dict[str, torch.Tensor] = {}
-    if files:
-        from safetensors.torch import load_file
-
-        for name in files:
-            state.update(load_file(os.path.join(folder, name)))
-    elif os.path.isfile(os.path.join(folder, "pytorch_model.bin")):
-        state = torch.load(os.path.join(folder, "pytorch_model.bin"), map_location="cpu", weights_only=True)
-    else:
-        raise ValueError(f"{folder!r} is not an EAGLE head folder: no *.safetensors or pytorch_model.bin weights")
-    return {(k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()}
-
-
 def _eagle3_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
-
-
-def _which_method(folder: str, cfg: EagleHeadConfig, state: dict[str, torch.Tensor], wanted: str) -> None:
-    """ValueError when the folder holds the other kind of EAGLE head (told by ``fc``'s input width)."""
-    fc = state.get("fc.weight")
-    if fc is None or fc.dim() != 2:
-        return
-    width = fc.shape[1]
-    if wanted == "eagle3" and width == 2 * cfg.hidden_size and width != 3 * cfg.target_hidden_size:
-        raise ValueError(f"{folder!r} is an EAGLE-1 head (fc takes 2 x {cfg.hidden_size}): use method 'eagle'")
-    if wanted == "eagle" and width == 3 * cfg.target_hidden_size:
-        raise ValueError(f"{folder!r} is an EAGLE-3 head (fc takes 3 x {cfg.target_hidden_size}): use method 'eagle3'")
 
 
 def load_head(folder: str, target: torch.nn.Module | None = None, dtype: torch.dtype | None = None,
@@ -109,9 +64,9 @@ def load_head(folder: str, target: torch.nn.Module | None = None, dtype: torch.d
         return load_eagle1(folder, target, dtype, device)
     if not os.path.isdir(folder):
         raise ValueError(f"EAGLE head {folder!r}: no such folder")
-    cfg = _read_config(folder)
-    state = _read_weights(folder)
-    _which_method(folder, cfg, state, "eagle3")
+    cfg = read_config(folder)
+    state = read_weights(folder)
+    which_method(folder, cfg, state, "eagle3")
     state = _eagle3_names(state)
     missing = [k for k in REQUIRED if k not in state]
     if missing:
