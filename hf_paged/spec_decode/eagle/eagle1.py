@@ -71,11 +71,7 @@ class Eagle1Head(nn.Module):
         self._target_norm: list[nn.Module | None] = [None]
         self.rotary = LlamaRotaryEmbedding(cfg.llama_config())
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        table = self.embed_tokens if self.embed_tokens is not None else self._shared_embedding[0]
-        if table is None:
-            raise ValueError("this EAGLE head has no embed_tokens of its own and was given no target embedding")
-        return table(input_ids)
+    embed = EagleHead.embed  # the same lookup: the head's own embed_tokens, else the target's
 
     def feed(self, rows: torch.Tensor) -> torch.Tensor:
         """The target's last hidden state from its captured last decoder layer output: its final norm applied."""
