@@ -363,6 +363,35 @@ def test_sampling_with_an_eagle_head_is_lossless_chi_square():
     engine.close()
 
 
+@pytest.mark.spec_gate
+@pytest.mark.parametrize("limit", ["auto", None])
+def test_the_gate_stops_drafting_where_measured_steps_cost_and_dormant_rows_are_not_settled(monkeypatch, head_dir,
+                                                                                             limit):
+    """Steps that verify drafts are made to measure 3x a plain step: at batch 5 the gate ("auto", the default)
+    stops drafting after its first measurements, the head then neither drafts nor catches up over the finished
+    sequences' rows, and the output is the same; None drafts at any batch size, as vLLM does."""
+    from hf_paged.core.scheduler import Scheduler
+
+    _always_draft(monkeypatch)
+    observe = Scheduler.observe_step
+    monkeypatch.setattr(Scheduler, "observe_step", lambda self, out, seconds, result=None: observe(
+        self, out, 0.03 if any(s.num_draft_tokens for s in out.scheduled) else 0.01, result))
+    settled = []
+    settle = EagleProposer.settle
+    monkeypatch.setattr(EagleProposer, "settle", lambda self, states, tables: (
+        settled.extend(s.seq_id for s in states if s.seq_id in self.active), settle(self, states, tables)))
+    model = target()
+    want = [stock_greedy(model, p, NEW) for p in PROMPTS]
+    spec = dict(method="eagle3", model=head_dir, num_speculative_tokens=3, disable_by_batch_size=limit)
+    outs, stats = run(model, PROMPTS, spec, block_size=4, num_blocks=400)
+    assert [o.token_ids for o in outs] == want
+    if limit == "auto":
+        assert 5 * 2 <= stats.spec_num_drafts <= 5 * 4  # its first steps of 5 sequences, no more
+        assert settled == []  # every sequence ended dormant: nothing is caught up for the prefix cache
+    else:
+        assert stats.spec_num_drafts >= 5 * 5 and settled  # (the last ones finish as the engine stops)
+
+
 # -- 3. what is reported ---------------------------------------------------------------------------------
 
 
@@ -487,17 +516,23 @@ def test_rows_of_rejected_drafts_are_replaced_and_pending_rows_are_capped(monkey
     p = EagleProposer.__new__(EagleProposer)
     p.pending = {}
     rows = lambda start, n: torch.arange(start, start + n, dtype=torch.float32)[:, None]  # noqa: E731
+    kept = lambda seq: (p.pending[seq].start, p.pending[seq].tensor()[:, 0].tolist())  # noqa: E731
     p._append(1, 0, rows(0, 10))  # a prompt
     p._append(1, 9, rows(100, 4))  # last token + 3 drafts verified at 9
     p._append(1, 11, rows(200, 2))  # one draft accepted: the next step starts at 11, over the rejected rows
-    start, kept = p.pending[1]
-    assert start == 0 and kept[:, 0].tolist() == [*range(9), 100, 101, 200, 201]
+    assert kept(1) == (0, [*range(9), 100, 101, 200, 201])
+    assert len(p.pending[1].chunks) == 1  # reading joined the chunks once
+    p._append(1, 13, rows(300, 1))
+    p._append(1, 14, rows(400, 1))
+    assert p.pending[1].length == 15 and len(p.pending[1].chunks) == 3  # appends do not copy what is held
+    p.pending[3] = p.pending[1].copy()  # a fork: its own list, the parent's appends do not reach it
+    p._append(1, 15, rows(500, 1))
+    assert p.pending[3].length == 15 and p.pending[1].length == 16
     p._append(2, 5, rows(0, 3))  # not contiguous with nothing kept: starts there
-    assert p.pending[2][0] == 5
+    assert p.pending[2].start == 5
     monkeypatch.setattr(eagle_proposer, "MAX_PENDING", 4)
-    p._append(1, 13, rows(300, 2))
-    start, kept = p.pending[1]
-    assert start == 11 and kept[:, 0].tolist() == [200, 201, 300, 301]
+    p._append(1, 13, rows(600, 2))
+    assert kept(1) == (11, [200, 201, 600, 601])
 
 
 # -- 5. EAGLE-1 heads ------------------------------------------------------------------------------------

@@ -289,7 +289,11 @@ def test_draft_model_with_another_vocabulary_or_a_shorter_context_is_rejected():
 
 def test_speculative_config_dataclass_and_per_request_lowering():
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=6)
-    assert cfg.prompt_lookup_min == 1 and cfg.prompt_lookup_max == 4 and cfg.disable_by_batch_size is None
+    assert cfg.prompt_lookup_min == 1 and cfg.prompt_lookup_max == 4 and cfg.disable_by_batch_size == "auto"
+    assert SpeculativeConfig(disable_by_batch_size=None).disable_by_batch_size is None
+    for bad in ("always", 0, True, 2.5):
+        with pytest.raises(ValueError, match=r"disable_by_batch_size must be an int >= 1, 'auto' or None"):
+            SpeculativeConfig(disable_by_batch_size=bad)
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be >= 0, got -1"):
         SamplingParams(num_speculative_tokens=-1)
     assert math.isclose(SamplingParams(num_speculative_tokens=2).num_speculative_tokens, 2)

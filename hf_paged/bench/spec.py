@@ -1,14 +1,16 @@
 """``hf-paged bench spec``: speculative decoding against the same engine without it (docs/benchmarks.md).
 
 Copy-heavy chat prompts (repeat or lightly edit a given text) on the default model, greedy, up to 256 new
-tokens, stopping at EOS like a real request (greedy speculation emits exactly the tokens plain decoding
+tokens (``--spec-prompts chat``: the 64 prompts of ``bench chat``, up to 128), stopping at EOS like a real request (greedy speculation emits exactly the tokens plain decoding
 emits, so every system does the same work; ``ignore_eos=True`` measures the model's made-up continuation
 after its answer instead). Batch 1 runs the first prompts one at a time; batch 16 and batch 64 submit that
 many at once (``batches`` picks which). Speed-ups are tokens per second over the engine without speculation,
 measured in the same run; mean acceptance length is 1 + accepted drafts per verification.
 
 With ``eagle_head`` (a head folder) the ``eagle`` system drafts with it: ``"eagle3"`` or ``"eagle"`` as its
-``config.json`` says (EAGLE-1 heads name ``EagleLlamaForCausalLM``), k = 3.
+``config.json`` says (EAGLE-1 heads name ``EagleLlamaForCausalLM``), k = 3 unless ``eagle_k`` says otherwise.
+Every system runs with its default ``disable_by_batch_size="auto"``: each result says how many steps the
+speculation gate kept plain.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import time
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.bench.common import machine_info
+from hf_paged.bench.common import load_chat_messages, machine_info
 from hf_paged.model.default_model import load_default, parse_dtype
 
 # Four passages of about 300 tokens each, so that copying them covers the 256 tokens generated.
@@ -110,6 +112,7 @@ def _run(model, tok, prompts, spec, one_at_a_time: bool, max_tokens: int, ignore
         outs = engine.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     stats = engine.stats()
+    gate = engine.scheduler.spec_gate.summary()
     engine.close()
     drafted = stats.spec_num_draft_tokens - base.spec_num_draft_tokens
     accepted = stats.spec_num_accepted_tokens - base.spec_num_accepted_tokens
@@ -118,34 +121,50 @@ def _run(model, tok, prompts, spec, one_at_a_time: bool, max_tokens: int, ignore
     return {"tokens": tokens, "seconds": round(seconds, 2), "tok_per_s": round(tokens / seconds, 2),
             "acceptance": round(accepted / drafted, 3) if drafted else None, "draft_tokens": drafted,
             "mean_acceptance_length": round(1 + accepted / verifications, 3) if verifications else None,
-            "outputs": [o.token_ids for o in outs]}
+            "gate": gate, "outputs": [o.token_ids for o in outs]}
 
 
-def spec(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, max_tokens: int = 256,
-         batch1_prompts: int = 4, ignore_eos: bool = False, eagle_head: str | None = None,
-         batches: tuple[int, ...] = (1, 16), **_) -> dict:
+def chat_prompt_ids(tokenizer, n: int = 64) -> list[list[int]]:
+    """The first ``n`` prompts of ``bench chat`` (its 64 chats, the chat template applied)."""
+    return [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for m in load_chat_messages()[:n]]
+
+
+def spec(dtype: str = "fp32", repeat: int = 1, systems: set[str] | None = None, max_tokens: int | None = None,
+         batch1_prompts: int | None = None, ignore_eos: bool = False, eagle_head: str | None = None,
+         batches: tuple[int, ...] = (1, 16), prompt_set: str = "copy", eagle_k: int = 3, **_) -> dict:
+    """Each wanted system at each batch size (see the module docstring). ``prompt_set``: ``"copy"`` (copy-heavy
+    prompts, 256 new tokens, batch 1 over 4 of them) or ``"chat"`` (``bench chat``'s prompts, EOS or 128 new
+    tokens, batch 1 over the first 8)."""
+    if prompt_set not in ("copy", "chat"):
+        raise ValueError(f"bench spec prompt_set {prompt_set!r}: expected 'copy' or 'chat'")
     all_systems = dict(SYSTEMS)
     if eagle_head is not None:
-        all_systems["eagle"] = eagle_system(eagle_head)
+        all_systems["eagle"] = eagle_system(eagle_head, eagle_k)
     bad = [b for b in batches if b not in (1, 16, 64)]
     if bad:
         raise ValueError(f"bench spec batch sizes {bad}: expected 1, 16 or 64")
     model, tok = load_default(parse_dtype(dtype))
-    prompts = spec_prompts(tok, max(16, *batches))
+    chat = prompt_set == "chat"
+    max_tokens = max_tokens or (128 if chat else 256)
+    batch1_prompts = batch1_prompts or (8 if chat else 4)
+    prompts = chat_prompt_ids(tok) if chat else spec_prompts(tok, max(16, *batches))
     want = [s for s in all_systems if systems is None or s in systems or (s == "eagle" and eagle_head)]
     table = {}
-    # batch 1: one prompt of each instruction and passage (0, 5, 10, 15); batch 16 / 64: that many at once
+    # batch 1: copy prompts: one of each instruction and passage (0, 5, 10, 15); chat: the first ones.
+    # batch 16 / 64: that many at once
     for batch in batches:
-        group, alone = (prompts[::5][:batch1_prompts], True) if batch == 1 else (prompts[:batch], False)
+        first = prompts[:batch1_prompts] if chat else prompts[::5][:batch1_prompts]
+        group, alone = (first, True) if batch == 1 else (prompts[:batch], False)
         for name in want:
             runs = [_run(model, tok, group, all_systems[name], alone, max_tokens, ignore_eos) for _ in range(max(1, repeat))]
             table[(batch, name)] = min(runs, key=lambda r: r["seconds"])
-    print(f"\n== hf-paged bench spec ({dtype}, at most {max_tokens} new tokens, greedy, "
+    print(f"\n== hf-paged bench spec ({dtype}, {prompt_set} prompts, at most {max_tokens} new tokens, greedy, "
           f"{'EOS ignored' if ignore_eos else 'stop at EOS'}) ==")
     print(f"{'batch':>5} {'system':<18} {'tokens':>7} {'time s':>8} {'tok/s':>8} {'speed-up':>9} {'acceptance':>11} "
           f"{'mean len':>9} {'same tokens':>12}")
     payload = {"workload": "spec", "dtype": dtype, "results": {}, "machine": machine_info(),
-               "eagle_head": eagle_head}
+               "eagle_head": eagle_head, "prompt_set": prompt_set, "eagle_k": eagle_k if eagle_head else None}
     for (batch, name), r in table.items():
         ref = table.get((batch, "no_spec"))
         speedup = r["tok_per_s"] / ref["tok_per_s"] if ref else float("nan")

@@ -120,9 +120,17 @@ def cmd_bench(args) -> int:
             raise UsageError("the gguf_q4_1 systems run the default model's GGUF file; with --model-shape use int4 "
                              "or int8 (quantized at start)")
         extra["model_shape"] = args.model_shape
-    if (args.eagle_head is not None or args.batch_sizes is not None) and args.workload != "spec":
-        raise UsageError(f"--eagle-head and --batch-sizes apply to the spec workload, not {args.workload}")
+    spec_only = (args.eagle_head, args.batch_sizes, args.spec_prompts, args.eagle_k)
+    if any(v is not None for v in spec_only) and args.workload != "spec":
+        raise UsageError(f"--eagle-head, --eagle-k, --batch-sizes and --spec-prompts apply to the spec workload, "
+                         f"not {args.workload}")
     if args.workload == "spec":
+        if args.eagle_k is not None:
+            if args.eagle_head is None:
+                raise UsageError("--eagle-k needs --eagle-head DIR")
+            extra["eagle_k"] = args.eagle_k
+        if args.spec_prompts is not None:
+            extra["prompt_set"] = args.spec_prompts
         if systems is not None and "eagle" in systems and args.eagle_head is None:
             raise UsageError("--systems eagle needs --eagle-head DIR (the head to draft with)")
         if args.eagle_head is not None:

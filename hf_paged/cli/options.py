@@ -156,3 +156,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eagle-head", metavar="DIR", help="spec: add the eagle system, drafting with the EAGLE-3 "
                    "(or EAGLE-1) head in DIR, k = 3 (hf-paged train-eagle writes one)")
     p.add_argument("--batch-sizes", help="spec: the batch sizes to run, of 1,16,64 (default 1,16)")
+    p.add_argument("--spec-prompts", choices=["copy", "chat"], default=None,
+                   help="spec: copy (the default: prompts that ask to repeat or edit a text, 256 new tokens) or chat "
+                   "(the 64 chat prompts of bench chat, EOS or 128 new tokens)")
+    p.add_argument("--eagle-k", type=_positive_int, default=None, help="spec: drafts per step of the eagle system "
+                   "(default 3)")

@@ -28,7 +28,8 @@ import itertools
 
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.prefill_pacer import PrefillPacer, check_max_itl_ratio
-from hf_paged.core.scheduler_output import NewSequenceData, ScheduledSequence, SchedulerOutput
+from hf_paged.core.spec_gate import SpecGate
+from hf_paged.core.scheduler_output import ModelRunnerOutput, NewSequenceData, ScheduledSequence, SchedulerOutput
 from hf_paged.core.scheduler_queues import SchedulerQueues
 from hf_paged.core.scheduler_update import SchedulerUpdate
 from hf_paged.core.waiting_queue import WaitingQueue
@@ -73,7 +74,9 @@ class Scheduler(SchedulerUpdate, SchedulerQueues):
     Speculative decoding is per request (``Sequence.spec_key`` and friends): a decoding sequence with drafts
     (from the runner's previous output) runs ``1 + len(drafts)`` tokens, drafts cut to the budget and dropped
     before anyone is preempted for them, and only while fewer sequences than its ``spec_disable_batch_size``
-    are queued; ``spec_lookahead`` slots behind it are set aside for a draft model's KV.
+    are queued, or (``"auto"``) while the speculation gate (:mod:`hf_paged.core.spec_gate`) has measured that
+    speculation pays at the running batch size; ``spec_lookahead`` slots behind it are set aside for a draft
+    model's KV.
     """
 
     def __init__(
@@ -116,6 +119,8 @@ class Scheduler(SchedulerUpdate, SchedulerQueues):
         self._known: set[int] = set()  # sequences the runner has state for
         self._finished_since_schedule: list[int] = []
         self._queued = 0  # sequences queued at the start of this step (speculation's batch limit)
+        self.spec_gate = SpecGate()  # "auto" batch limit: speculation where measured steps say it pays
+        self._spec_allowed = True  # the gate's answer for this step
         self._prefill_cap = 0  # this step's cap on one sequence's prefill chunk (0: none)
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_prompt_tokens = 0  # of requests admitted (first admission only)
@@ -197,6 +202,7 @@ class Scheduler(SchedulerUpdate, SchedulerQueues):
         out = SchedulerOutput(finished_seq_ids=self._finished_since_schedule)
         self._finished_since_schedule = []
         self._queued = len(self.running) + len(self.waiting) + len(self.swapped)
+        self._spec_allowed = self.spec_gate.allows(len(self.running)) if self._uses_gate() else True
         self._prefill_cap = self._step_prefill_cap()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_seq_ids:  # a step that had to preempt has no room to bring anyone in
@@ -266,12 +272,18 @@ class Scheduler(SchedulerUpdate, SchedulerQueues):
         num_new = min(num_new, budget)
         return min(num_new, self._prefill_cap) if self._prefill_cap and num_new > 1 else num_new
 
-    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """Tell the pacer how long ``out`` took to run (no-op without ``max_itl_ratio``)."""
-        if self.pacer is None:
-            return
+    def observe_step(self, out: SchedulerOutput, seconds: float, result: ModelRunnerOutput | None = None) -> None:
+        """Tell the prefill pacer (with ``max_itl_ratio``) and the speculation gate (with ``result``: the tokens
+        the step gave) how long ``out`` took to run."""
         rows = [len(s.token_ids) - s.num_draft_tokens for s in out.scheduled]
-        self.pacer.observe(seconds, sum(1 for n in rows if n == 1), sum(n for n in rows if n > 1))
+        if self.pacer is not None:
+            self.pacer.observe(seconds, sum(1 for n in rows if n == 1), sum(n for n in rows if n > 1))
+        if result is not None and rows and all(n == 1 for n in rows) and self._uses_gate():
+            tokens = sum(len(result.sampled_token_ids.get(s.seq_id, ())) for s in out.scheduled)
+            self.spec_gate.observe(seconds, len(rows), tokens, any(s.num_draft_tokens for s in out.scheduled))
+
+    def _uses_gate(self) -> bool:
+        return any(r.spec_key is not None and r.spec_disable_batch_size == "auto" for r in self.running)
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while budget > 0 and len(out.scheduled) < self.max_num_seqs:
@@ -365,7 +377,11 @@ class Scheduler(SchedulerUpdate, SchedulerQueues):
 
     def _speculates(self, request: Sequence) -> bool:
         limit = request.spec_disable_batch_size
-        return request.spec_key is not None and (limit is None or self._queued < limit)
+        if request.spec_key is None:
+            return False
+        if limit == "auto":
+            return self._spec_allowed
+        return limit is None or self._queued < limit
 
     def _lookahead(self, out: SchedulerOutput, request: Sequence, num_new: int, num_computed: int | None = None) -> int:
         """Slots behind a sequence that reaches its sampling point, for a draft model's KV while it proposes."""

@@ -91,7 +91,7 @@ class Sequence:
         self.spec_key: str | None = None
         self.spec_k = 0
         self.spec_lookahead = 0
-        self.spec_disable_batch_size: int | None = None
+        self.spec_disable_batch_size: int | str | None = None  # "auto": the scheduler's speculation gate
         # its own speculation counts: verifications, drafts, accepted drafts, accepted at each draft position
         self.spec_counts: list[int] = [0, 0, 0]
         self.spec_accepted_per_position: list[int] = []

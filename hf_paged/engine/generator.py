@@ -230,7 +230,7 @@ class PagedGenerator(GeneratorClients, StructuredIntake, LoRAIntake):
             raise ValueError(f"max_tokens={max_tokens} is too large: the prompt has {prompt_len} tokens and "
                              f"max_model_len is {self.max_model_len}, so at most {room} new tokens fit")
 
-    def _spec_settings(self, spec: SpeculativeConfig, build: bool = True) -> tuple[str, int, int, int | None]:
+    def _spec_settings(self, spec: SpeculativeConfig, build: bool = True) -> tuple[str, int, int, int | str | None]:
         """(proposer key, k, lookahead slots, batch limit) for a configuration; with ``build``, its proposer is
         made (once per key). Without, only what can be checked cheaply is (a draft model folder exists)."""
         key = spec_key(spec)
@@ -312,7 +312,7 @@ class PagedGenerator(GeneratorClients, StructuredIntake, LoRAIntake):
         try:
             started = time.perf_counter()
             result = self.executor.execute_model(out)
-            self.scheduler.observe_step(out, time.perf_counter() - started)
+            self.scheduler.observe_step(out, time.perf_counter() - started, result)
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep the engine usable
             if self.executor.failure is not None:  # failed for good: it logged why, once; one short line will do
                 return self._fail_step(out, f"engine failed: {self.executor.failure}")

@@ -25,8 +25,10 @@ class SpeculativeConfig:
             "eagle3": the folder of an EAGLE-3 head (vLLM's and SpecForge's layout), or a loaded
             :class:`~hf_paged.spec_decode.eagle.EagleHead`. For "eagle": the folder of an EAGLE-1 head (vLLM's
             ``llama_eagle.py`` layout), or a loaded :class:`~hf_paged.spec_decode.eagle.Eagle1Head`.
-        disable_by_batch_size: Speculate only while fewer sequences than this are queued (None, the default
-            as in vLLM: at any batch size; each sequence's drafting still adapts to its acceptance).
+        disable_by_batch_size: Speculate only while fewer sequences than this are queued; ``"auto"`` (the
+            default): at the batch sizes where the engine's own measured steps show that speculation gives more
+            tokens per second than plain decoding (:mod:`hf_paged.core.spec_gate`; batch 1 always speculates);
+            None (vLLM's default): at any batch size. Each sequence's drafting still adapts to its acceptance.
     """
 
     method: str = "ngram"
@@ -34,7 +36,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: Any = None
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -55,10 +57,11 @@ class SpeculativeConfig:
                 f"speculative_config prompt_lookup_min={self.prompt_lookup_min} exceeds "
                 f"prompt_lookup_max={self.prompt_lookup_max}"
             )
-        if self.disable_by_batch_size is not None:
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size != "auto":
             value = self.disable_by_batch_size
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"speculative_config disable_by_batch_size must be an int >= 1 or None, got {value!r}")
+                raise ValueError(f"speculative_config disable_by_batch_size must be an int >= 1, 'auto' or None, "
+                                 f"got {value!r}")
         if self.method == "draft_model":
             if self.model is None:
                 raise ValueError("speculative_config method 'draft_model' needs a model (a model, a folder or 'self:N')")

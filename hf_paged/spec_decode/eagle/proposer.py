@@ -18,9 +18,14 @@ the KV it wrote when those positions were computed, and drafts as if the target 
 Drafted head positions are overwritten by the next catch-up. A forked sample (n > 1) inherits its parent's
 pending rows. When a sequence finishes, the head catches up over the rows it still holds in full blocks
 (:meth:`settle`), so a later request that hits those cached blocks finds the head's KV there even if the
-sequence stopped drafting (e.g. under ``disable_by_batch_size``). Blocks read back from the disk tier still
-leave head positions unwritten (its files hold the target's KV only), as do rows past ``MAX_PENDING``; there the
-head reads what its pool holds, so drafts may be worse, and output never changes (verification).
+sequence drafted nothing lately (its acceptance kept it idle). A *dormant* sequence, one the scheduler stopped
+from drafting (``disable_by_batch_size``, or the speculation gate at a batch size where drafting costs), is not
+settled: catching the head up over every token it ran would cost a few percent of the very steps the gate
+spared, for a later prefix hit that may never come. Blocks it leaves in the cache, blocks read back from the
+disk tier (its files hold the target's KV only) and rows past ``MAX_PENDING`` leave head positions unwritten;
+there the head reads what its pool holds, so drafts may be worse, and output never changes (verification).
+A dormant sequence keeps its rows (as chunks, cheap to append), so if drafting resumes its first proposal
+catches the head up over them.
 """
 
 from __future__ import annotations
@@ -42,6 +47,50 @@ logger = logging.getLogger(__name__)
 # over disable_by_batch_size, keeps its newest rows only: older head positions are then never computed, which
 # can only lower its acceptance)
 MAX_PENDING = 4096
+
+
+class PendingRows:
+    """A sequence's target rows ``[length, 3H]`` from position ``start`` on, kept as the steps' chunks (joined
+    only when the head reads them: appending a step's row to one growing tensor would copy all of it each step)."""
+
+    __slots__ = ("start", "chunks", "length")
+
+    def __init__(self, start: int, rows: torch.Tensor) -> None:
+        self.start = start
+        self.chunks = [rows]
+        self.length = rows.shape[0]
+
+    @property
+    def end(self) -> int:
+        """The position after the last row."""
+        return self.start + self.length
+
+    def append(self, rows: torch.Tensor) -> None:
+        self.chunks.append(rows)
+        self.length += rows.shape[0]
+
+    def tensor(self, n: int | None = None) -> torch.Tensor:
+        """The first ``n`` rows (all by default) as one tensor."""
+        if len(self.chunks) > 1:
+            self.chunks = [torch.cat(self.chunks)]
+        rows = self.chunks[0]
+        return rows if n is None else rows[:n]
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` rows."""
+        if n < self.length:
+            self.chunks = [self.tensor(n)] if n else []
+            self.length = n
+
+    def drop_front(self, n: int) -> None:
+        self.chunks = [self.tensor()[n:]]
+        self.start += n
+        self.length -= n
+
+    def copy(self) -> PendingRows:
+        other = PendingRows.__new__(PendingRows)
+        other.start, other.chunks, other.length = self.start, list(self.chunks), self.length
+        return other
 
 
 class EagleProposer:
@@ -73,7 +122,8 @@ class EagleProposer:
         self.tier = HostTier(self.pool, tier_slots, compress=False) if tier_slots else None
         self.attention = attention_layers(self.pool)
         self.block_size = target_pool.block_size
-        self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # seq -> (first position, [m, 3H] target rows)
+        self.pending: dict[int, PendingRows] = {}  # seq -> the target rows the head has not consumed yet
+        self.active: set[int] = set()  # sequences whose last step asked for drafts (the rest are dormant)
         shared = getattr(head, "_shared_lm_head", [None])[0]  # an EAGLE-1 head runs the target's lm_head
         own = matmul_params(head) + (shared.weight.numel() if shared is not None and hasattr(shared, "weight") else 0)
         self.relative_cost = own / max(1, matmul_params(target))
@@ -85,12 +135,14 @@ class EagleProposer:
         self.pool.host_caches.clear()
         self.tier = None
         self.pending.clear()
+        self.active.clear()
 
     def forget(self, finished, preempted=()) -> None:
         # a preempted sequence keeps its rows: swapped, it continues where it stopped (its head KV moved with its
         # blocks); recomputed, the target's new rows replace them from where it starts again (observe)
         for seq_id in finished:
             self.pending.pop(seq_id, None)
+            self.active.discard(seq_id)
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         """The step's moves of the target's blocks, done to the head's KV too, in the runner's order."""
@@ -113,21 +165,24 @@ class EagleProposer:
         for item in scheduled:
             n = item.num_new_tokens
             if mine(item.seq_id):
+                if item.sample:  # a step that samples says whether the sequence drafts next
+                    (self.active.add if item.propose else self.active.discard)(item.seq_id)
                 if rows is None:
                     rows = torch.cat([hidden[layer] for layer in self.layers], dim=-1)
                 self._append(item.seq_id, item.start, rows[offset : offset + n])
                 for child in item.fork_seq_ids:  # the same prompt: the samples start from the parent's rows
-                    self.pending[child] = self.pending[item.seq_id]
+                    self.pending[child] = self.pending[item.seq_id].copy()
             offset += n
 
     def _append(self, seq_id: int, start: int, rows: torch.Tensor) -> None:
-        old = self.pending.get(seq_id)
-        if old is not None and old[0] <= start <= old[0] + old[1].shape[0]:
-            rows = torch.cat([old[1][: start - old[0]], rows])  # drop rows from the rewritten positions on
-            start = old[0]
-        if rows.shape[0] > MAX_PENDING:
-            start, rows = start + rows.shape[0] - MAX_PENDING, rows[-MAX_PENDING:]
-        self.pending[seq_id] = (start, rows)
+        held = self.pending.get(seq_id)
+        if held is not None and held.start <= start <= held.end:
+            held.truncate(start - held.start)  # drop rows from the rewritten positions on
+            held.append(rows)
+        else:
+            held = self.pending[seq_id] = PendingRows(start, rows)
+        if held.length > MAX_PENDING:
+            held.drop_front(held.length - MAX_PENDING)
 
     @torch.inference_mode()
     def settle(self, states, tables) -> None:
@@ -137,16 +192,16 @@ class EagleProposer:
         batch, rows = [], []
         for state in states:
             pend, table = self.pending.pop(state.seq_id, None), tables.get(state.seq_id)
-            if pend is None or table is None:
-                continue
+            if pend is None or table is None or state.seq_id not in self.active:
+                continue  # dormant (the engine stopped drafting at this batch size): no catch-up for the cache
             tokens = state.prompt_token_ids + state.output_token_ids
-            start, held = pend
-            end = min(start + held.shape[0], len(tokens) - 1, len(table) * self.block_size)
+            start = pend.start
+            end = min(pend.end, len(tokens) - 1, len(table) * self.block_size)
             end = end // self.block_size * self.block_size  # full blocks only: a partial one is never cached
             if end <= start:
                 continue
             batch.append(ScheduledSequence(state.seq_id, start, tokens[start + 1 : end + 1], [], True))
-            rows.append(held[: end - start])
+            rows.append(pend.tensor(end - start))
         if batch:
             self._forward(batch, tables, self.head.feed(torch.cat(rows)))
 
@@ -161,11 +216,11 @@ class EagleProposer:
             tokens = state.prompt_token_ids + state.output_token_ids
             last = len(tokens) - 2  # the newest head position: token n - 1 with the target's state at n - 2
             k = min(k, len(table) * self.block_size - len(tokens) + 1)  # the slots the scheduler set aside
-            start, rows = pend
-            if k <= 0 or start > last or start + rows.shape[0] <= last:
+            start = pend.start
+            if k <= 0 or start > last or pend.end <= last:
                 continue
             del self.pending[state.seq_id]
-            jobs.append((state.seq_id, tokens, k, start, rows[: last - start + 1]))
+            jobs.append((state.seq_id, tokens, k, start, pend.tensor(last - start + 1)))
         if not jobs:
             return [[] for _ in states]
         head = self.head
