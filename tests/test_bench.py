@@ -100,3 +100,18 @@ def test_model_shape_flag_is_checked_and_matches_the_shapes(capsys):
     assert "--model-shape applies to the chat and latency workloads" in capsys.readouterr().err
     assert main(["bench", "latency", "--model-shape", "qwen2.5-0.5b", "--systems", "gguf_q4_1"]) == 2
     assert "with --model-shape use int4" in capsys.readouterr().err
+
+
+def test_bench_spec_on_the_chat_prompts_reports_each_system_and_its_gate(capsys):
+    from hf_paged.bench.common import load_chat_messages
+    from hf_paged.bench.spec import chat_prompt_ids, spec
+    from hf_paged.model.default_model import load_default
+
+    _, tok = load_default()
+    ids = chat_prompt_ids(tok)
+    assert len(ids) == len(load_chat_messages()) == 64 and len(set(map(tuple, ids))) == 64
+    payload = spec(systems={"no_spec", "ngram"}, max_tokens=4, batch1_prompts=1, batches=(1,), prompt_set="chat")
+    assert payload["prompt_set"] == "chat" and set(payload["results"]) == {"batch1/no_spec", "batch1/ngram"}
+    ngram = payload["results"]["batch1/ngram"]
+    assert ngram["same_tokens_as_no_spec"] == "1/1" and isinstance(ngram["gate"], dict)
+    assert "chat prompts, at most 4 new tokens" in capsys.readouterr().out

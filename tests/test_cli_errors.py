@@ -312,6 +312,13 @@ def test_bench_spec_eagle_head_and_batch_sizes(tmp_path, capsys, monkeypatch):
     assert main(["bench", "spec", "--eagle-head", str(tmp_path), "--batch-sizes", "1,64"]) == 0
     assert ran[-1]["eagle_head"] == str(tmp_path) and ran[-1]["batches"] == (1, 64)
     assert not ran[:-1]
+    assert main(["bench", "spec", "--eagle-k", "2"]) == 2
+    assert "--eagle-k needs --eagle-head DIR" in one_error_line(capsys)
+    assert main(["bench", "latency", "--spec-prompts", "chat"]) == 2
+    assert "apply to the spec workload, not latency" in one_error_line(capsys)
+    assert main(["bench", "spec", "--spec-prompts", "poems"]) == 2
+    assert main(["bench", "spec", "--eagle-head", str(tmp_path), "--eagle-k", "2", "--spec-prompts", "chat"]) == 0
+    assert ran[-1]["eagle_k"] == 2 and ran[-1]["prompt_set"] == "chat"
 
 
 def test_bench_restart_is_the_prefix_workloads_own(capsys, no_running, monkeypatch):
