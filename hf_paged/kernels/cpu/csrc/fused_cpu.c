@@ -24,19 +24,7 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
  * Zen 5 host: 11 us on one thread, 6 on two) */
 #define PAR_ELEMS (1 << 14)
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
-/* round to nearest even; NaN stays NaN (quiet). Branch-free so the loops below vectorize. */
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    const uint32_t u = v.u, rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
-}
+#include "bf16_common.h"
 
 static inline float ld(const void* p, int64_t i, int dt) {
     if (dt == DT_F32) return ((const float*)p)[i];

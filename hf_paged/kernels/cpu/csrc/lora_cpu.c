@@ -36,18 +36,7 @@ enum { DT_F32 = 0, DT_BF16 = 1 };
 /* below this many multiply-adds (sum over the adapter tokens of r * (in + out)) one thread does the call */
 #define PAR_WORK (1 << 17)
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    const uint32_t u = v.u, rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
-}
+#include "bf16_common.h"
 
 static inline float ld1(const void* p, int64_t i, int dt) {
     return dt == DT_F32 ? ((const float*)p)[i] : bf16_to_f32(((const uint16_t*)p)[i]);
