@@ -87,6 +87,27 @@ def test_cli_generate_and_batch(tmp_path, capsys):
     assert "3 requests" in out and "tok/s" in out
 
 
+def test_cli_process_streams_the_engines_answer(default_model):
+    """The ``hf-paged`` process (tuned, collector paused while starting, quick exit) prints what the engine
+    answers in this process, and exits cleanly."""
+    import os
+    import subprocess
+    import sys
+
+    model, tok = default_model
+    question = "What is the capital of France?"
+    prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    with PagedGenerator(model, tok, max_num_seqs=8) as engine:
+        want = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0].text
+    env = {k: v for k, v in os.environ.items() if k != "HF_PAGED_TUNE"}
+    done = subprocess.run([sys.executable, "-m", "hf_paged.cli", "generate", question, "--max-tokens", "12"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == want + "\n"
+    assert "Traceback" not in done.stderr and "leaked" not in done.stderr
+
+
 def test_bf16_runs_through_every_entry_point(capsys):
     """bf16 works on every CPU torch runs on (on AVX2-only CPUs oneDNN's bf16 packing raises: probed, skipped)."""
     import hf_paged
