@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from hf_paged import SamplingParams
@@ -100,3 +101,17 @@ def test_model_shape_flag_is_checked_and_matches_the_shapes(capsys):
     assert "--model-shape applies to the chat and latency workloads" in capsys.readouterr().err
     assert main(["bench", "latency", "--model-shape", "qwen2.5-0.5b", "--systems", "gguf_q4_1"]) == 2
     assert "with --model-shape use int4" in capsys.readouterr().err
+
+
+def test_startup_times_the_first_byte_and_the_exit_of_a_process():
+    import sys
+
+    from hf_paged.bench.startup import run_process
+
+    script = "import sys, time\ntime.sleep(0.3)\nprint('x', flush=True)\ntime.sleep(0.5)\nsys.stderr.write('e' * 200000)"
+    first, end, out = run_process([sys.executable, "-c", script], {})
+    assert 0.3 <= first < end and end - first >= 0.45 and out == "x\n"  # much stderr: no pipe to fill up
+    first, end, out = run_process([sys.executable, "-c", "pass"], {})
+    assert first == end and out == ""
+    with pytest.raises(RuntimeError, match="failed \\(3\\).*boom"):
+        run_process([sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"], {})
