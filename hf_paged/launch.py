@@ -1,7 +1,8 @@
 """Process tuning for the CPU engine, applied by the ``hf-paged`` launcher before torch starts.
 
-OpenMP reads its binding settings and the dynamic loader reads ``LD_PRELOAD`` once, when the process starts, so
-the launcher computes a tuned environment and re-executes itself once with it:
+The launcher computes a tuned environment before anything loads torch. OpenMP reads its settings when its
+runtime loads (with torch), so those are set in this process; the dynamic loader reads ``LD_PRELOAD`` only
+when a process starts, so a preload makes the launcher re-execute itself once with the tuned environment:
 
 - threads (offline commands only: ``batch``, ``generate``, ``bench`` but not ``bench serve`` or ``bench replicas``, ``env``; see
   ``BINDING_COMMANDS``): ``OMP_NUM_THREADS`` = the physical cores this process may run on, ``OMP_PLACES`` = one
@@ -11,7 +12,8 @@ the launcher computes a tuned environment and re-executes itself once with it:
 
 Whatever the user has set wins: a variable that is already set is left alone, and ``HF_PAGED_TUNE=0`` turns the
 whole thing off. The measured effect of each setting is in docs/cpu.md and docs/performance_log.md. This module imports nothing
-heavy (no torch), so the decision costs nothing before the re-exec.
+heavy (no torch), so the decision costs nothing before the re-exec. The command's garbage collection pause
+and quick exit (:mod:`hf_paged.cli.lifetime`) are switched with the rest.
 """
 
 from __future__ import annotations
@@ -118,30 +120,60 @@ def binds_threads(argv: list[str]) -> bool:
     return not (words[0] == "bench" and words[1:2] in (["serve"], ["replicas"]))
 
 
+def ends_after_start_up(argv: list[str]) -> bool:
+    """Whether the command in ``argv`` ends once its work is done (``generate``, ``batch``), unlike a server."""
+    words = [a for a in argv if not a.startswith("-")]
+    return bool(words) and words[0] in ("generate", "batch")
+
+
 def enabled(environ: dict[str, str]) -> bool:
+    """Whether to tune this process's environment (not when switched off, nor in the re-executed process)."""
+    return environ.get(TUNE_VAR, "1").strip().lower() != "applied" and not switched_off(environ)
+
+
+def switched_off(environ: dict[str, str]) -> bool:
+    """``HF_PAGED_TUNE=0``: no process tuning at all (ValueError for a value that is neither on nor off)."""
     value = environ.get(TUNE_VAR, "1").strip().lower()
-    if value in ("0", "off", "false", "no", "applied"):
-        return False
-    if value not in ("1", "on", "true", "yes", ""):
+    if value not in ("0", "off", "false", "no", "applied", "1", "on", "true", "yes", ""):
         raise ValueError(f"{TUNE_VAR}={environ[TUNE_VAR]!r}: use 1 (tune the process, the default) or 0 (leave it)")
-    return True
+    return value in ("0", "off", "false", "no")
 
 
-def reexec_tuned(argv: list[str], *, bind: bool = True, environ: dict[str, str] | None = None,
-                 execve=os.execve) -> None:
-    """Re-execute ``python -m hf_paged.cli argv`` with the tuned environment, once; returns if nothing changes.
+# The OpenMP runtimes whose settings apply when they load; one already in the process has read its settings.
+_OPENMP_LIBRARIES = ("libgomp", "libiomp", "libomp")
+
+
+def openmp_loaded(maps: str = "/proc/self/maps") -> bool:
+    """Whether an OpenMP runtime is loaded in this process already (True where that cannot be read)."""
+    try:
+        with open(maps) as f:
+            text = f.read()
+    except OSError:
+        return True
+    return any(name in text for name in _OPENMP_LIBRARIES)
+
+
+def tune_process(argv: list[str], *, bind: bool = True, environ=None, execve=os.execve,
+                 openmp_is_loaded=openmp_loaded) -> None:
+    """Tune this process for ``python -m hf_paged.cli argv``, once: the OpenMP settings go into ``environ``
+    (default ``os.environ``; OpenMP reads them when torch loads it), and a preloaded allocator (or an OpenMP
+    runtime that has read its settings already) re-executes the process with the tuned environment instead.
 
     Does nothing when torch is already imported (too late for OpenMP settings), when tuning is off, or when
     this process is already the tuned one.
     """
-    environ = dict(os.environ if environ is None else environ)
-    if "torch" in sys.modules or not enabled(environ):
+    target = os.environ if environ is None else environ
+    current = dict(target)
+    if "torch" in sys.modules or not enabled(current):
         return
-    tuning = tuned_environment(environ, bind=bind)
+    tuning = tuned_environment(current, bind=bind)
     if not tuning.changes:
         return
     tuning.env[TUNE_VAR] = "applied"
     tuning.env["HF_PAGED_TUNED_WITH"] = "; ".join(tuning.changes)
+    if tuning.env.get("LD_PRELOAD") == current.get("LD_PRELOAD") and not openmp_is_loaded():
+        target.update({k: v for k, v in tuning.env.items() if current.get(k) != v})  # no re-exec needed
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     execve(sys.executable, [sys.executable, "-m", "hf_paged.cli", *argv], tuning.env)

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from hf_paged import SamplingParams
@@ -115,3 +116,17 @@ def test_bench_spec_on_the_chat_prompts_reports_each_system_and_its_gate(capsys)
     ngram = payload["results"]["batch1/ngram"]
     assert ngram["same_tokens_as_no_spec"] == "1/1" and isinstance(ngram["gate"], dict)
     assert "chat prompts, at most 4 new tokens" in capsys.readouterr().out
+
+
+def test_startup_times_the_first_byte_and_the_exit_of_a_process():
+    import sys
+
+    from hf_paged.bench.startup import run_process
+
+    script = "import sys, time\ntime.sleep(0.3)\nprint('x', flush=True)\ntime.sleep(0.5)\nsys.stderr.write('e' * 200000)"
+    first, end, out = run_process([sys.executable, "-c", script], {})
+    assert 0.3 <= first < end and end - first >= 0.45 and out == "x\n"  # much stderr: no pipe to fill up
+    first, end, out = run_process([sys.executable, "-c", "pass"], {})
+    assert first == end and out == ""
+    with pytest.raises(RuntimeError, match="failed \\(3\\).*boom"):
+        run_process([sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"], {})

@@ -33,6 +33,45 @@ def test_converted_once_and_loads_fast(default_model):
     assert time.perf_counter() - start < 30  # no GGUF re-conversion (that alone takes ~15-25 s)
 
 
+def test_added_tokens_are_indexed_for_fast_tokenizer_loads(tmp_path):
+    """The converted folder's tokenizer_config.json lists the added tokens (``added_tokens_decoder``), so a load
+    does not parse tokenizer.json a second time to find them; a folder converted before gets the index on its
+    next use, and the tokenizer loaded is the same either way."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from hf_paged.model.default_model import _index_added_tokens
+
+    folder = default_model_path()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert len(config["added_tokens_decoder"]) == 17
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("tokenizer.json", "chat_template.jinja", "config.json"):
+        shutil.copy(folder / name, old / name)
+    del config["added_tokens_decoder"]
+    (old / "tokenizer_config.json").write_text(json.dumps(config))
+    before = AutoTokenizer.from_pretrained(old)
+    _index_added_tokens(old)
+    after = AutoTokenizer.from_pretrained(old)
+    assert json.loads((old / "tokenizer_config.json").read_text())["added_tokens_decoder"]["0"]["content"] == "<|endoftext|>"
+    assert after.added_tokens_decoder == before.added_tokens_decoder
+    assert after.special_tokens_map == before.special_tokens_map and after.all_special_ids == before.all_special_ids
+    text = "<|im_start|>user\nünïcödé  spaces<|im_end|>"
+    assert after(text)["input_ids"] == before(text)["input_ids"]
+    chat = [{"role": "user", "content": "hi"}]
+    assert after.apply_chat_template(chat, tokenize=False) == before.apply_chat_template(chat, tokenize=False)
+    indexed = (old / "tokenizer_config.json").read_text()
+    _index_added_tokens(old)  # indexed already: left as it is
+    assert (old / "tokenizer_config.json").read_text() == indexed
+    (old / "tokenizer.json").write_text("{not json")
+    del config["bos_token"]
+    (old / "tokenizer_config.json").write_text(json.dumps(config))
+    _index_added_tokens(old)  # unreadable: left to the tokenizer's own load to report
+    assert json.loads((old / "tokenizer_config.json").read_text()) == config
+
+
 def test_greedy_parity_on_chat_prompts(default_model):
     model, tok = default_model
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in CHAT]
@@ -85,6 +124,27 @@ def test_cli_generate_and_batch(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "### Write a short poem about the moon." in out
     assert "3 requests" in out and "tok/s" in out
+
+
+def test_cli_process_streams_the_engines_answer(default_model):
+    """The ``hf-paged`` process (tuned, collector paused while starting, quick exit) prints what the engine
+    answers in this process, and exits cleanly."""
+    import os
+    import subprocess
+    import sys
+
+    model, tok = default_model
+    question = "What is the capital of France?"
+    prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    with PagedGenerator(model, tok, max_num_seqs=8) as engine:
+        want = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0].text
+    env = {k: v for k, v in os.environ.items() if k != "HF_PAGED_TUNE"}
+    done = subprocess.run([sys.executable, "-m", "hf_paged.cli", "generate", question, "--max-tokens", "12"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == want + "\n"
+    assert "Traceback" not in done.stderr and "leaked" not in done.stderr
 
 
 def test_bf16_runs_through_every_entry_point(capsys):

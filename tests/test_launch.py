@@ -75,28 +75,62 @@ def test_only_offline_commands_bind_threads():
     assert not launch.binds_threads(["bench", "replicas"])  # Ray's replica workers would inherit the binding
 
 
-def test_reexec_only_once_and_never_after_torch():
+def test_tuning_reexecs_only_for_a_preload_and_never_after_torch(tmp_path):
     calls = []
 
     def fake_execve(path, args, env):
         calls.append((path, args, env))
 
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    lib.write_bytes(b"")
+    no_openmp = lambda: False  # noqa: E731
     # this test process has torch imported: too late to tune, nothing happens
     import torch  # noqa: F401
 
-    launch.reexec_tuned(["batch", "f.jsonl"], environ={}, execve=fake_execve)
+    launch.tune_process(["batch", "f.jsonl"], environ={}, execve=fake_execve, openmp_is_loaded=no_openmp)
     assert calls == []
     saved = sys.modules.pop("torch")
     try:
-        launch.reexec_tuned(["batch", "f.jsonl"], environ={"HF_PAGED_TUNE": "applied"}, execve=fake_execve)
-        launch.reexec_tuned(["batch", "f.jsonl"], environ={"HF_PAGED_TUNE": "0"}, execve=fake_execve)
-        assert calls == []
-        launch.reexec_tuned(["batch", "f.jsonl"], environ={}, execve=fake_execve)
+        for off in ({"HF_PAGED_TUNE": "applied"}, {"HF_PAGED_TUNE": "0"}):
+            env = dict(off)
+            launch.tune_process(["batch", "f.jsonl"], environ=env, execve=fake_execve, openmp_is_loaded=no_openmp)
+            assert calls == [] and env == off
+        # only OpenMP settings: set in this process, read when torch loads its OpenMP runtime; no re-exec
+        env = {"LD_PRELOAD": "/x/libjemalloc.so.2", "PATH": "/bin"}  # an allocator of the user's: kept
+        launch.tune_process(["batch", "f.jsonl"], environ=env, execve=fake_execve, openmp_is_loaded=no_openmp)
+        assert calls == [] and env["HF_PAGED_TUNE"] == "applied" and env["OMP_PROC_BIND"] == "close"
+        assert "OMP_PLACES=" in env["HF_PAGED_TUNED_WITH"] and env["PATH"] == "/bin"
+        assert env["LD_PRELOAD"] == "/x/libjemalloc.so.2"
+        # an OpenMP runtime loaded already has read its settings: re-exec
+        launch.tune_process(["batch", "f.jsonl"], environ={}, execve=fake_execve, openmp_is_loaded=lambda: True)
+        # an allocator to preload: re-exec, whatever OpenMP does
+        launch.tune_process(["batch", "f.jsonl"], environ={"HF_PAGED_ALLOCATOR": str(lib)}, execve=fake_execve,
+                            openmp_is_loaded=no_openmp)
     finally:
         sys.modules["torch"] = saved
-    (path, args, env), = calls
+    (path, args, env), (_, _, preload_env) = calls
     assert path == sys.executable and args[1:] == ["-m", "hf_paged.cli", "batch", "f.jsonl"]
     assert env["HF_PAGED_TUNE"] == "applied" and env["OMP_PROC_BIND"] == "close"
+    assert preload_env["LD_PRELOAD"] == str(lib) and f"LD_PRELOAD={lib}" in preload_env["HF_PAGED_TUNED_WITH"]
+
+
+def test_openmp_loaded_reads_the_process_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/libc.so.6\n")
+    assert not launch.openmp_loaded(str(maps))
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /x/torch/lib/libgomp.so.1\n")
+    assert launch.openmp_loaded(str(maps))
+    assert launch.openmp_loaded(str(tmp_path / "missing"))  # unknown: re-exec, as before
+    import torch  # noqa: F401 - torch loads its OpenMP runtime
+
+    if sys.platform == "linux":
+        assert launch.openmp_loaded()
+
+
+def test_short_lived_commands():
+    assert launch.ends_after_start_up(["generate", "hi"]) and launch.ends_after_start_up(["-v", "batch", "f.jsonl"])
+    assert not launch.ends_after_start_up(["serve"]) and not launch.ends_after_start_up(["chat"])
+    assert not launch.ends_after_start_up([])
 
 
 def test_cli_process_runs_tuned_and_env_reports_it():

@@ -67,6 +67,58 @@ def test_native_packed_linear_follows_weight_changes_and_empty_inputs():
     assert torch.equal(empty.linear(torch.empty(3, 0), torch.arange(5.0)), torch.arange(5.0).expand(3, 5))
 
 
+def _panels(w: torch.Tensor, nr: int, pair: int = 1) -> torch.Tensor:
+    """The panel layout in torch: out[p][k][j] = w[p * nr + j][k] (bf16: k counts pairs), zero rows past N."""
+    n, k = w.shape
+    padded = torch.zeros(-(-n // nr) * nr, k, dtype=w.dtype)
+    padded[:n] = w
+    if pair == 1:
+        return padded.view(-1, nr, k).transpose(1, 2).contiguous().flatten()
+    return padded.view(-1, nr, k // 2, 2).permute(0, 2, 1, 3).contiguous().flatten()
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(7, 5), (33, 64), (100, 37), (64, 600)])
+def test_native_pack_layout(shape):
+    """The packed bytes are the panel layout exactly: ragged last panels, K not a multiple of the packing's
+    k-blocks, rows further apart than K; bf16 (pairs of k, an odd K padded) from aligned and odd-aligned rows."""
+    lib = native_gemm.NATIVE_GEMM.load()
+    w = torch.randn(*shape)
+    assert torch.equal(NativePackedWeight(w).packed, _panels(w, lib.hfp_gemm_nr()))
+    wide = torch.randn(shape[0], shape[1] + 3)[:, 1 : shape[1] + 1]
+    assert torch.equal(NativePackedWeight(wide).packed, _panels(wide.contiguous(), lib.hfp_gemm_nr()))
+    if not lib.hfp_gemm_bf16_ok():
+        return
+    nr, k = lib.hfp_gemm_bf16_nr(), shape[1] + shape[1] % 2
+    wb = torch.randn(*shape).bfloat16()
+    want = _panels(F.pad(wb, (0, k - shape[1])), nr, pair=2)
+    assert torch.equal(NativePackedWeight(wb).packed.view(torch.int16), want.view(torch.int16))
+    odd = torch.randn(shape[0] * k + 1).bfloat16()[1:].view(shape[0], k)  # rows at 2-byte, not 4-byte, addresses
+    out = torch.empty(-(-shape[0] // nr) * nr * k, dtype=torch.bfloat16)
+    lib.hfp_gemm_bf16_pack(odd.data_ptr(), k, shape[0], k, out.data_ptr())
+    assert torch.equal(out.view(torch.int16), _panels(odd.contiguous(), nr, pair=2).view(torch.int16))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_stacked_pack_is_the_pack_of_the_concatenation(dtype):
+    """q/k/v and gate/up packed member by member (no concatenated copy) give the concatenation's pack, byte for
+    byte; members whose rows would share a panel are left to the concatenation (None)."""
+    if dtype == torch.bfloat16 and not packed_linear.available("native", dtype):
+        pytest.skip("native bf16 GEMM needs AVX-512 BF16")
+    lib = native_gemm.NATIVE_GEMM.load()
+    nr = lib.hfp_gemm_nr() if dtype == torch.float32 else lib.hfp_gemm_bf16_nr()
+    ws = [torch.randn(4 * nr, 40, dtype=dtype), torch.randn(nr, 40, dtype=dtype), torch.randn(nr + 3, 40, dtype=dtype)]
+    stacked, whole = NativePackedWeight.stacked(ws), NativePackedWeight(torch.cat(ws))
+    assert torch.equal(stacked.packed.view(torch.int16), whole.packed.view(torch.int16))
+    assert (stacked.out_features, stacked.in_features) == (whole.out_features, whole.in_features)
+    x = torch.randn(5, 40, dtype=dtype)
+    assert torch.equal(stacked.linear(x, None), whole.linear(x, None))
+    assert stacked.stale(ws[0]) and stacked.source is None  # its group watches the members' weights
+    assert NativePackedWeight.stacked([torch.randn(nr + 1, 40, dtype=dtype), torch.randn(nr, 40, dtype=dtype)]) is None
+    assert NativePackedWeight.stacked([ws[0], torch.randn(nr, 41, dtype=dtype)]) is None  # other widths
+
+
 needs_native_bf16 = pytest.mark.skipif(not packed_linear.available("native", torch.bfloat16),
                                        reason="native bf16 GEMM needs AVX-512 BF16")
 

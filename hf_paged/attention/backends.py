@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_paged.kernels.cpu import attention as cpu_attention
-from hf_paged.kernels import graph_ops
 from hf_paged.kernels.ops import store_kv_cpu, triton_ops
 from hf_paged.kernels.torch_attention import TorchAttentionPlan, paged_attention_torch, store_kv_torch
 
@@ -101,6 +100,8 @@ class StaticStepAttention(StepAttention):
     kernels (:mod:`hf_paged.kernels.graph_ops`)."""
 
     def __init__(self, backend: str) -> None:
+        from hf_paged.kernels import graph_ops  # registers the op (~25 ms of torch.library): only engines with buckets
+
         if backend not in graph_ops.STATIC_BACKENDS:
             raise ValueError(f"static attention backend must be one of {graph_ops.STATIC_BACKENDS}, got {backend!r}")
         self.backend = backend

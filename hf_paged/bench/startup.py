@@ -4,10 +4,16 @@ Each figure is a fresh Python process (the best of ``repeat`` runs, warm file ca
 
 - ``python``: the interpreter alone (``python -c pass``), the floor of any command;
 - ``import floor``: ``import torch`` and transformers' model classes for the default model (what any engine built
-  on transformers pays before it can touch a weight);
-- ``hf-paged generate``: the command line to its first (and only) token, ``--max-tokens 1``, re-exec included;
-- the phases of one in-process start (import torch, import transformers' model classes, import the engine, load the
-  model and tokenizer, construct ``PagedGenerator``, first token), from marks taken inside one fresh process.
+  on transformers pays before it can touch a weight), as a plain ``python -c`` runs it, exit included;
+- ``import floor, as hf-paged runs it``: the same imports with the collector paused and no interpreter
+  teardown, as the ``hf-paged`` process runs them (:mod:`hf_paged.cli.lifetime`): the floor of the command;
+- ``hf-paged generate``: the command line, ``--max-tokens 1``, to its first token (the first byte it prints)
+  and to its exit; ``hf_paged's share`` is the first token less the import floor as hf-paged runs it;
+- the phases of one in-process start through the Python API, as a program calling it pays them (no process
+  tuning): import torch, import transformers' model classes, import the engine, load the model and tokenizer,
+  construct ``PagedGenerator``, first token; from marks taken inside one fresh process.
+
+The load average before and after is printed with the table: the hosts are shared, and every figure moves with it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 from hf_paged.bench.common import machine_info
@@ -38,14 +46,31 @@ engine.close()
 print("PHASES " + json.dumps(marks))
 """
 
+_FLOOR = "import torch, transformers.models.llama.modeling_llama"
+# the same imports as the hf-paged process makes them: the collector paused, no teardown (hf_paged/cli/lifetime.py)
+_FLOOR_AS_CLI = f"import gc, os, sys\ngc.disable()\n{_FLOOR}\nsys.stdout.flush()\nos._exit(0)"
 
-def _wall(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
-    start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({done.returncode}): {done.stderr[-2000:]}")
-    return seconds, done.stdout
+
+def run_process(cmd: list[str], env: dict[str, str], timeout: float = 600) -> tuple[float, float, str]:
+    """``(seconds to the first byte on stdout, seconds to exit, stdout)`` of one fresh process; a process that
+    prints nothing has its exit as its first byte."""
+    with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err)
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            first = proc.stdout.read(1)
+            first_s = time.perf_counter() - start
+            out = first + proc.stdout.read()
+            code = proc.wait()
+            exit_s = time.perf_counter() - start
+        finally:
+            timer.cancel()
+        if code != 0:
+            err.seek(0)
+            raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({code}): {err.read().decode(errors='replace')[-2000:]}")
+    return (first_s if first else exit_s), exit_s, out.decode(errors="replace")
 
 
 def startup(dtype: str = "fp32", repeat: int = 1, **_) -> dict:
@@ -55,18 +80,21 @@ def startup(dtype: str = "fp32", repeat: int = 1, **_) -> dict:
     # as a default Python does: compiled modules cached in __pycache__ (a set PYTHONDONTWRITEBYTECODE would make
     # every run compile the package's sources again, ~0.2 s)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
+    load_before = os.getloadavg()
     python = sys.executable
     cli = [python, "-m", "hf_paged.cli", "generate", "--raw", "--max-tokens", "1", "--dtype", dtype, "Hi"]
-    commands = {
-        "python": [python, "-c", "pass"],
-        "import floor": [python, "-c", "import torch, transformers.models.llama.modeling_llama"],
-        "hf-paged generate": cli,
-    }
-    _wall(cli, env)  # untimed: fills the file cache, builds or loads the kernels and the tuning store
-    best = {name: min(_wall(cmd, env)[0] for _ in range(repeat)) for name, cmd in commands.items()}
+    run_process(cli, env)  # untimed: fills the file cache, builds or loads the kernels and the tuning store
+    commands = {"python": [python, "-c", "pass"], "import floor": [python, "-c", _FLOOR],
+                "import floor, as hf-paged runs it": [python, "-c", _FLOOR_AS_CLI]}
+    seconds = {name: min(run_process(cmd, env)[1] for _ in range(repeat)) for name, cmd in commands.items()}
+    runs = [run_process(cli, env)[:2] for _ in range(repeat)]
+    seconds["hf-paged generate, first token"] = min(first for first, _ in runs)
+    seconds["hf-paged generate, exit"] = min(end for _, end in runs)
+    seconds["hf_paged's share (first token - floor)"] = (seconds["hf-paged generate, first token"]
+                                                         - seconds["import floor, as hf-paged runs it"])
     phase_runs = []
     for _ in range(repeat):
-        out = _wall([python, "-c", _PHASES, dtype], env)[1]
+        out = run_process([python, "-c", _PHASES, dtype], env)[2]
         line = next(x for x in out.splitlines() if x.startswith("PHASES "))
         phase_runs.append(json.loads(line[len("PHASES "):]))
     phases = min(phase_runs, key=lambda marks: marks[-1][1])
@@ -74,14 +102,16 @@ def startup(dtype: str = "fp32", repeat: int = 1, **_) -> dict:
     for name, at in phases:
         steps[name] = round(at - previous, 3)
         previous = at
+    load = [round(x, 2) for x in (*load_before, *os.getloadavg())]
     report = {"workload": "startup", "dtype": dtype, "machine": machine_info(), "repeat": repeat,
-              "seconds": {k: round(v, 3) for k, v in best.items()},
-              "phases": steps, "in_process_total": round(phases[-1][1], 3)}
-    print(f"start-up ({dtype}, best of {repeat} fresh processes, warm file cache)")
-    for name, seconds in report["seconds"].items():
-        print(f"  {name:<36} {seconds:7.2f} s")
-    print(f"  phases of one in-process start (total {report['in_process_total']:.2f} s):")
-    for name, seconds in steps.items():
-        print(f"    {name:<34} {seconds:7.2f} s")
+              "seconds": {k: round(v, 3) for k, v in seconds.items()},
+              "phases": steps, "in_process_total": round(phases[-1][1], 3), "load_average": load}
+    print(f"start-up ({dtype}, best of {repeat} fresh processes, warm file cache; load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before, {load[3]:.2f} {load[4]:.2f} {load[5]:.2f} after)")
+    for name, value in report["seconds"].items():
+        print(f"  {name:<40} {value:7.2f} s")
+    print(f"  phases of one in-process start through the API (total {report['in_process_total']:.2f} s):")
+    for name, value in steps.items():
+        print(f"    {name:<38} {value:7.2f} s")
     print(json.dumps(report))
     return report

@@ -332,19 +332,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> int:
-    """The ``hf-paged`` console script: tune the process once (hf_paged/launch.py), then run ``main``."""
+    """The ``hf-paged`` console script: tune the process once (hf_paged/launch.py, hf_paged/cli/lifetime.py), then
+    run ``main``."""
     from hf_paged import launch
+    from hf_paged.cli import lifetime
 
     argv = sys.argv[1:]
     try:
-        launch.reexec_tuned(argv, bind=launch.binds_threads(argv))
+        launch.tune_process(argv, bind=launch.binds_threads(argv))
+        tuned = not launch.switched_off(os.environ)
     except ValueError as e:  # a bad HF_PAGED_TUNE / HF_PAGED_ALLOCATOR value
         sys.stderr.write(f"hf-paged: error: {e}\n")
         return 2
+    if tuned:
+        lifetime.enable(long_lived=not launch.ends_after_start_up(argv))
     applied = os.environ.get("HF_PAGED_TUNED_WITH")
     if applied and ("-v" in argv or "--verbose" in argv):
         sys.stderr.write(f"hf-paged: process tuned: {applied} (HF_PAGED_TUNE=0 turns this off)\n")
-    return main(argv)
+    try:
+        status = main(argv)
+    except BaseException:
+        lifetime.usual_exit()
+        raise
+    return lifetime.quick_exit(status)
 
 
 if __name__ == "__main__":

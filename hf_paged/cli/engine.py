@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from hf_paged.cli import lifetime
 from hf_paged.cli.checks import UsageError
 
 
@@ -58,15 +59,18 @@ def build_engine(args, **config):
     """``(engine, tokenizer)`` for the command's flags. With --tensor-parallel-size N every rank loads the folder
     (the default model's too) and keeps its shard; under torchrun, ranks other than 0 serve as workers here and
     exit when rank 0 is done."""
-    from hf_paged import PagedGenerator
-    from hf_paged.model.default_model import default_model_path
-
     config.update(engine_options(args))
-    if config.get("tensor_parallel_size", 1) > 1:
+    if config.get("tensor_parallel_size", 1) > 1:  # the collector is not paused: worker ranks serve in here
         from transformers import AutoTokenizer
+
+        from hf_paged import PagedGenerator
+        from hf_paged.model.default_model import default_model_path
 
         path = args.model or str(default_model_path())
         tokenizer = AutoTokenizer.from_pretrained(path)
         return PagedGenerator.from_pretrained(path, tokenizer, dtype=args.dtype, **config), tokenizer
-    model, tokenizer = load(args)
-    return PagedGenerator(model, tokenizer, **config), tokenizer
+    with lifetime.start_up():  # imports torch and transformers, loads, builds: the collector waits until done
+        from hf_paged import PagedGenerator
+
+        model, tokenizer = load(args)
+        return PagedGenerator(model, tokenizer, **config), tokenizer

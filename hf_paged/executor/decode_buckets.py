@@ -42,7 +42,6 @@ from hf_paged.core.scheduler_output import ScheduledSequence
 from hf_paged.executor.input_batch import BlockTables, pack_step
 from hf_paged.config import DECODE_MODES as MODES, check_buckets, default_buckets  # noqa: F401 - re-exported
 from hf_paged.env import cache_dir
-from hf_paged.kernels import graph_ops
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +118,9 @@ class DecodeBuckets:
         self.max_model_len = max_model_len
         self.tables = block_tables
         self.attention = attention.backend.static()  # the engine's backend, as one graph-safe op a layer
+        from hf_paged.kernels import graph_ops  # imported by static(): the op is registered
+
+        self._new_step = graph_ops.new_step
         device = attention.kv_caches[0][0].device
         self.device = device
         max_seqs = self.buckets[-1]
@@ -194,7 +196,7 @@ class DecodeBuckets:
         lens[:n] = torch.tensor(seq_lens, dtype=torch.int32)
         self.seq_lens[:bucket].copy_(lens.to(dev, non_blocking=True))
         self.cu_seqlens_q[: bucket + 1].copy_(torch.arange(0, padded + 1, q, dtype=torch.int32).to(dev))
-        graph_ops.new_step(self.block_tables)
+        self._new_step(self.block_tables)
 
     def run(self, step) -> torch.Tensor | None:
         """Logits ``[len(scheduled) * q, V]`` of every real query token (a sequence's rows are consecutive: all

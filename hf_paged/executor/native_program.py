@@ -477,7 +477,9 @@ class DecodeProgram:
 
 
 def _shape(pack) -> tuple[int, int]:
-    return (pack.out_features, pack.in_features) if type(pack) is QuantLinear else tuple(pack.source.shape)
+    # a native group pack (NativePackedWeight.stacked) keeps no concatenated weight: its sizes say the shape
+    return (pack.out_features, pack.in_features) if type(pack) in (QuantLinear, NativePackedWeight) else tuple(
+        pack.source.shape)
 
 
 class _Unfit(Exception):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,14 +30,10 @@ from hf_paged.executor.decode_buckets import DecodeBuckets, resolve_mode
 from hf_paged.executor.input_batch import BlockTables
 from hf_paged.executor.kv_pool import KVPool, decide_num_blocks, probe_kv_layout
 from hf_paged.model.hf_config import chunked_attention_size, text_config
-from hf_paged.spec_decode.draft_model import DraftModelProposer
 from hf_paged.executor.step_runners import decoder_layers
-from hf_paged.spec_decode.eagle.eagle1 import Eagle1Head
-from hf_paged.spec_decode.eagle.eagle1_loading import check_eagle1, eagle1_layers
-from hf_paged.spec_decode.eagle.head import EagleHead
-from hf_paged.spec_decode.eagle.loading import aux_layers, check_head, load_head
-from hf_paged.spec_decode.eagle.proposer import EagleProposer
-from hf_paged.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from hf_paged.spec_decode.eagle.proposer import EagleProposer
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +227,10 @@ def make_proposer(spec, runner, max_model_len: int, announce=None, cfg: EngineCo
     """The proposer a :class:`~hf_paged.spec_decode.SpeculativeConfig` asks for (``announce``: see
     :class:`~hf_paged.spec_decode.draft_model.DraftModelProposer`). Where the target runs the native decode
     program, a draft model gets one too (``cfg``: the engine's settings for the draft's layers)."""
+    # the proposers are imported when one is asked for: an engine without speculation never needs them
+    from hf_paged.spec_decode.draft_model import DraftModelProposer
+    from hf_paged.spec_decode.ngram import NgramProposer
+
     check_speculative(spec)
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -250,6 +251,12 @@ def make_proposer(spec, runner, max_model_len: int, announce=None, cfg: EngineCo
 def make_eagle_proposer(spec, runner) -> EagleProposer:
     """An EAGLE-3 proposer for ``spec.model`` (a head folder or a loaded head), and the runner told to capture
     the hidden states of the head's layers from now on (every step, by whichever step runner serves it)."""
+    from hf_paged.spec_decode.eagle.eagle1 import Eagle1Head
+    from hf_paged.spec_decode.eagle.eagle1_loading import check_eagle1, eagle1_layers
+    from hf_paged.spec_decode.eagle.head import EagleHead
+    from hf_paged.spec_decode.eagle.loading import aux_layers, check_head, load_head
+    from hf_paged.spec_decode.eagle.proposer import EagleProposer
+
     head = spec.model
     num_layers = len(decoder_layers(runner.model))
     if spec.method == "eagle":

@@ -42,26 +42,52 @@ class NativePackedWeight:
 
     def __init__(self, weight: torch.Tensor) -> None:
         assert weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
-        lib = NATIVE_GEMM.load()
-        assert lib is not None, NATIVE_GEMM.why
+        self._pack([weight])
         self.source = weight
         self.version = weight._version
         self.ptr = weight.data_ptr()  # ``param.data = t`` keeps the object and its version
-        self.dtype = weight.dtype
-        self.out_features, self.in_features = weight.shape
-        w = weight.detach().contiguous()
+
+    @classmethod
+    def stacked(cls, weights: list[torch.Tensor]) -> NativePackedWeight | None:
+        """The pack of ``torch.cat(weights)`` (the same bytes), each weight packed straight into its panels
+        without the concatenated copy; None where a weight's rows would share a panel with the next one's (then
+        pack the concatenation). The pack watches no weight (:meth:`stale` is always True): its owner does."""
+        first = weights[0]
+        if first.dtype not in (torch.float32, torch.bfloat16) or any(
+            w.dtype != first.dtype or w.dim() != 2 or w.shape[1] != first.shape[1] for w in weights
+        ):
+            return None
+        lib = NATIVE_GEMM.load()
+        assert lib is not None, NATIVE_GEMM.why
+        nr = lib.hfp_gemm_nr() if first.dtype == torch.float32 else lib.hfp_gemm_bf16_nr()
+        if any(w.shape[0] % nr for w in weights[:-1]) or (first.dtype == torch.bfloat16 and first.shape[1] % 2):
+            return None
+        pack = cls.__new__(cls)
+        pack._pack(weights)
+        pack.source = pack.version = pack.ptr = None
+        return pack
+
+    def _pack(self, weights: list[torch.Tensor]) -> None:
+        # the weights' rows one after the other, each weight from the panel its first row starts
+        lib = NATIVE_GEMM.load()
+        assert lib is not None, NATIVE_GEMM.why
+        self.dtype = weights[0].dtype
+        self.out_features, self.in_features = sum(w.shape[0] for w in weights), weights[0].shape[1]
         if self.dtype == torch.float32:
-            nr = lib.hfp_gemm_nr()
-            self.packed = torch.empty(-(-self.out_features // nr) * nr * self.in_features, dtype=torch.float32)
-            lib.hfp_gemm_pack(w.data_ptr(), w.stride(0), self.out_features, self.in_features, self.packed.data_ptr())
+            nr, pack, k = lib.hfp_gemm_nr(), lib.hfp_gemm_pack, self.in_features
         else:
             assert lib.hfp_gemm_bf16_ok(), "the native bf16 GEMM needs AVX-512 BF16"
-            self.k_even = self.in_features + self.in_features % 2  # an odd K gets a zero column
-            if self.k_even != self.in_features:
+            nr, pack = lib.hfp_gemm_bf16_nr(), lib.hfp_gemm_bf16_pack
+            k = self.k_even = self.in_features + self.in_features % 2  # an odd K gets a zero column
+        self.packed = torch.empty(-(-self.out_features // nr) * nr * k, dtype=self.dtype)
+        row = 0
+        for weight in weights:
+            w = weight.detach().contiguous()
+            if k != w.shape[1]:
                 w = torch.nn.functional.pad(w, (0, 1))
-            nr = lib.hfp_gemm_bf16_nr()
-            self.packed = torch.empty(-(-self.out_features // nr) * nr * self.k_even, dtype=torch.bfloat16)
-            lib.hfp_gemm_bf16_pack(w.data_ptr(), w.stride(0), self.out_features, self.k_even, self.packed.data_ptr())
+            offset = row * k * self.packed.element_size()  # row is a multiple of nr: a panel's first row
+            pack(w.data_ptr(), w.stride(0), w.shape[0], k, self.packed.data_ptr() + offset)
+            row += w.shape[0]
 
     def stale(self, weight: torch.Tensor) -> bool:
         return weight is not self.source or weight._version != self.version or weight.data_ptr() != self.ptr

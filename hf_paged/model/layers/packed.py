@@ -45,7 +45,9 @@ class PackedGroup:
     def _pack(self) -> None:
         self.sources = self._sources()
         with torch.inference_mode(False):  # built during an engine step: a normal tensor, with a version counter
-            self.pack = self._packer(torch.cat([m.weight.detach() for m in self.modules]))
+            weights = [m.weight.detach() for m in self.modules]
+            stacked = getattr(self._packer, "stacked", None)  # packs the members in place of their concatenation
+            self.pack = (stacked and stacked(weights)) or self._packer(torch.cat(weights))
             if all(m.bias is None for m in self.modules):
                 self.bias = None
             else:  # a member without bias adds zeros: exact

@@ -31,22 +31,39 @@ enum { MR = 6, NRV = 2, NR = NRV * VW, KC = 256, MC = 48, MC_MAX = 96 };
 
 int hfp_gemm_nr(void) { return NR; }
 
-/* W [N, K] (row stride ldw) into panels: out[p * K * NR + k * NR + j] = W[p * NR + j, k], zero past N. */
-void hfp_gemm_pack(const float* w, int64_t ldw, int N, int K, float* out) {
-    const int panels = (N + NR - 1) / NR;
+/* Rows of 32-bit units (fp32 values, or bf16 pairs) into panels of nr rows: out[p * K * nr + k * nr + j] =
+ * W[p * nr + j, k], zero past N. PKB k-steps of a panel at a time go through a tile in L1, so the panel is
+ * written front to back (one store per unit at a stride of nr units was twice as slow, start-up's largest C
+ * cost); nr is a constant after inlining. */
+enum { PKB = 16 };
+typedef uint32_t unit32 __attribute__((may_alias));
+static inline __attribute__((always_inline)) void pack_panels32(
+    const unit32* w, const int64_t ldw, const int N, const int K, const int nr, unit32* out)
+{
+    const int panels = (N + nr - 1) / nr;
 #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; ++p) {
-        float* dst = out + (size_t)p * K * NR;
-        for (int j = 0; j < NR; ++j) {
-            const int n = p * NR + j;
-            if (n < N) {
-                const float* src = w + (size_t)n * ldw;
-                for (int k = 0; k < K; ++k) dst[(size_t)k * NR + j] = src[k];
-            } else {
-                for (int k = 0; k < K; ++k) dst[(size_t)k * NR + j] = 0.0f;
+        unit32* dst = out + (size_t)p * K * nr;
+        const int n0 = p * nr, rows = N - n0 < nr ? N - n0 : nr;
+        uint32_t tile[PKB * nr];
+        for (int k0 = 0; k0 < K; k0 += PKB) {
+            const int kb = K - k0 < PKB ? K - k0 : PKB;
+            for (int j = 0; j < nr; ++j) {
+                if (j < rows) {
+                    const unit32* src = w + (size_t)(n0 + j) * ldw + k0;
+                    for (int kk = 0; kk < kb; ++kk) tile[kk * nr + j] = src[kk];
+                } else {
+                    for (int kk = 0; kk < kb; ++kk) tile[kk * nr + j] = 0;
+                }
             }
+            memcpy(dst + (size_t)k0 * nr, tile, (size_t)kb * nr * sizeof(uint32_t));
         }
     }
+}
+
+/* W [N, K] (row stride ldw) into panels: out[p * K * NR + k * NR + j] = W[p * NR + j, k], zero past N. */
+void hfp_gemm_pack(const float* w, int64_t ldw, int N, int K, float* out) {
+    pack_panels32((const unit32*)w, ldw, N, K, NR, (unit32*)out);
 }
 
 /* C[0:mr, 0:NR] (+)= A[0:mr, 0:kc] @ B[0:kc, 0:NR]; mr is a constant after inlining, so the loops unroll.
@@ -235,6 +252,10 @@ int hfp_gemm_bf16_nr(void) { return BNR; }
 /* W [N, K] bf16 (row stride ldw, K even) into the bf16 panels: out[((p * K/2 + kk) * BNR + j) * 2 + h] =
  * W[p * BNR + j, 2 kk + h], zero past N. */
 void hfp_gemm_bf16_pack(const uint16_t* w, int64_t ldw, int N, int K, uint16_t* out) {
+    if ((uintptr_t)w % 4 == 0 && ldw % 2 == 0) { /* rows of whole (2 kk, 2 kk + 1) pairs: 32-bit units */
+        pack_panels32((const unit32*)w, ldw / 2, N, K / 2, BNR, (unit32*)out);
+        return;
+    }
     const int panels = (N + BNR - 1) / BNR, kp = K / 2;
 #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; ++p) {
