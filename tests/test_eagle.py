@@ -386,7 +386,7 @@ def test_the_gate_stops_drafting_where_measured_steps_cost_and_dormant_rows_are_
     outs, stats = run(model, PROMPTS, spec, block_size=4, num_blocks=400)
     assert [o.token_ids for o in outs] == want
     if limit == "auto":
-        assert 5 * 2 <= stats.spec_num_drafts <= 5 * 4  # its first steps of 5 sequences, no more
+        assert 5 <= stats.spec_num_drafts <= 5 * 3  # its first steps of 5 sequences, no more
         assert settled == []  # every sequence ended dormant: nothing is caught up for the prefix cache
     else:
         assert stats.spec_num_drafts >= 5 * 5 and settled  # (the last ones finish as the engine stops)

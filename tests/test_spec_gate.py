@@ -118,7 +118,7 @@ def test_scheduler_stops_drafting_where_measured_steps_say_it_costs(limit, stops
     # a verifying step costs 3x a plain one and accepts nothing: speculation loses at batch 8
     spec_steps = _run(sched, lambda out: 0.03 if any(s.num_draft_tokens for s in out.scheduled) else 0.01, 40)
     if stops:
-        assert 2 <= spec_steps <= 4  # the first measurements, not the other ~36 steps
+        assert 1 <= spec_steps <= 3  # the first measurements, not the other ~37 steps
         assert sched.spec_gate.summary()["8-15"]["plain_steps"] >= 20
     else:
         assert spec_steps >= 35  # None: speculation at any batch size (vLLM's default), the gate is not used

@@ -50,7 +50,7 @@ class SpecGate:
         weight: Weight of the newest step in the moving averages.
     """
 
-    def __init__(self, min_samples: int = 2, reprobe: int = 128, weight: float = 0.25) -> None:
+    def __init__(self, min_samples: int = 1, reprobe: int = 128, weight: float = 0.25) -> None:
         for name, value in (("min_samples", min_samples), ("reprobe", reprobe)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SpecGate {name} must be an int >= 1, got {value!r}")
