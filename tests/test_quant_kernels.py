@@ -47,9 +47,12 @@ def test_float_tiled_path_equals_dequantize_then_linear(fmt, rows, lib):
     torch.testing.assert_close(layer._call(native.hfq_linear, wide[:, :96]), got, atol=1e-5, rtol=1e-6)
 
 
-def test_activation_rounding_is_the_kernels():
-    """hfq8_quantize's q and d are quantize_activations' bitwise (ties, zeros and a zero block included)."""
-    native = _load(Q8_LIBS, "host")
+@pytest.mark.parametrize("lib", Q8_LIBS)
+def test_activation_rounding_is_the_kernels(lib):
+    """hfq8_quantize's q and d are quantize_activations' bitwise (ties, zeros and a zero block included), in
+    every build (the AVX2 one rounds 8 lanes at a time), also on rows of blocks whose scales span many orders of
+    magnitude and strided rows."""
+    native = _load(Q8_LIBS, lib)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1)) * 3
     x[0, :32] = 0.0
     x[1, 32:64] = torch.tensor([127.0, 0.5, -0.5, 1.5, 2.5] + [0.25] * 27)  # d = 1: ties to even
@@ -60,6 +63,14 @@ def test_activation_rounding_is_the_kernels():
     assert torch.equal(got, quantize_activations(x))
     assert q[1, 32:37].tolist() == [127, 0, 0, 2, 2]
     torch.testing.assert_close(s, d * q.float().view(3, 3, 32).sum(-1))
+    g = torch.Generator().manual_seed(2)
+    wide = torch.randn(7, 1600, generator=g) * torch.logspace(-6, 6, 7 * 50).view(7, 50, 1).repeat(1, 1, 32).view(7, 1600)
+    rows = wide[:, :1536]  # row stride 1600
+    q = torch.empty(7, 1536, dtype=torch.int8)
+    d, s = torch.empty(7, 48), torch.empty(7, 48)
+    assert native.hfq8_quantize(rows.data_ptr(), 1600, 7, 1536, q.data_ptr(), d.data_ptr(), s.data_ptr(), 2) == 0
+    assert torch.equal((q.float().view(7, 48, 32) * d[..., None]).view(7, 1536), quantize_activations(rows))
+    assert torch.equal(s, d * q.float().view(7, 48, 32).sum(-1))  # the integer sum, scaled once
 
 
 @pytest.mark.parametrize("lib", Q8_LIBS)
