@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -62,7 +63,8 @@ def _time_rows8(lib, fmt: str, out_features: int = 960, in_features: int = 576) 
     from hf_paged.kernels.cpu import tuning_store
     from hf_paged.kernels.cpu.packed_linear import best_round, cold_copies
 
-    key = f"q8-layout:{fmt}:{out_features}x{in_features}"
+    # the build's file name carries a hash of the kernel sources: a changed kernel is timed again
+    key = f"q8-layout:{fmt}:{out_features}x{in_features}:{Path(getattr(lib, '_name', '') or '').stem}"
     timings = tuning_store.get(key)
     if timings is None or set(timings) != {"blocks", "rows8"}:
         g = torch.Generator().manual_seed(0)
