@@ -4,6 +4,8 @@ tiles above 16 rows where the host has AMX-INT8), in the host build and in build
 AVX2 only (the int8 one also without VNNI: the VPMADDUBSW path); and the bf16-activation mode
 (``csrc/quant_bf16.c``, AMX-BF16 only) with its fallback to the float kernel where the CPU has no AMX-BF16."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,9 +49,12 @@ def test_float_tiled_path_equals_dequantize_then_linear(fmt, rows, lib):
     torch.testing.assert_close(layer._call(native.hfq_linear, wide[:, :96]), got, atol=1e-5, rtol=1e-6)
 
 
-def test_activation_rounding_is_the_kernels():
-    """hfq8_quantize's q and d are quantize_activations' bitwise (ties, zeros and a zero block included)."""
-    native = _load(Q8_LIBS, "host")
+@pytest.mark.parametrize("lib", Q8_LIBS)
+def test_activation_rounding_is_the_kernels(lib):
+    """hfq8_quantize's q and d are quantize_activations' bitwise (ties, zeros and a zero block included), in
+    every build (the AVX2 one rounds 8 lanes at a time), also on rows of blocks whose scales span many orders of
+    magnitude and strided rows."""
+    native = _load(Q8_LIBS, lib)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1)) * 3
     x[0, :32] = 0.0
     x[1, 32:64] = torch.tensor([127.0, 0.5, -0.5, 1.5, 2.5] + [0.25] * 27)  # d = 1: ties to even
@@ -60,6 +65,14 @@ def test_activation_rounding_is_the_kernels():
     assert torch.equal(got, quantize_activations(x))
     assert q[1, 32:37].tolist() == [127, 0, 0, 2, 2]
     torch.testing.assert_close(s, d * q.float().view(3, 3, 32).sum(-1))
+    g = torch.Generator().manual_seed(2)
+    wide = torch.randn(7, 1600, generator=g) * torch.logspace(-6, 6, 7 * 50).view(7, 50, 1).repeat(1, 1, 32).view(7, 1600)
+    rows = wide[:, :1536]  # row stride 1600
+    q = torch.empty(7, 1536, dtype=torch.int8)
+    d, s = torch.empty(7, 48), torch.empty(7, 48)
+    assert native.hfq8_quantize(rows.data_ptr(), 1600, 7, 1536, q.data_ptr(), d.data_ptr(), s.data_ptr(), 2) == 0
+    assert torch.equal((q.float().view(7, 48, 32) * d[..., None]).view(7, 1536), quantize_activations(rows))
+    assert torch.equal(s, d * q.float().view(7, 48, 32).sum(-1))  # the integer sum, scaled once
 
 
 @pytest.mark.parametrize("lib", Q8_LIBS)
@@ -112,18 +125,21 @@ def test_rows8_kernel_equals_rounded_x_times_dequantized_w_for_every_batch(fmt, 
     """The interleaved int8 kernel (``csrc/quant_q8_rows8.h``: int16 sums for the 4-bit formats, signed
     VPMADDUBSW pairs for Q8_0 and int8 with its row scales) computes quantize_activations(x) @ dequant(W)^T
     (+ bias) up to fp32 rounding, for every row tail of its 4-row tiles and a last group of fewer than 8 output
-    rows (37); and each row's result is the same whatever rows share its batch."""
+    rows (37); and each row's result is the same whatever rows share its batch (below 8 rows the scales are read
+    from the fp16 copy in the tile, from 8 rows converted once per group: the same numbers)."""
     native = _load(Q8_LIBS, lib)
     if not native.hfq8i_available():
         pytest.skip("build without AVX2")
     layer, ref = _case(fmt, n=n, seed=n)
     copy = _rows8(native, layer)
     assert native.hfq8i_bytes(FORMATS[fmt], n, 95) == -1  # K must be a multiple of 32
-    x = torch.randn(41, 96, generator=torch.Generator().manual_seed(7))
+    if fmt != "int8":  # fp16 scales: the copy of a default-model-wide weight is the GGUF bytes, no more
+        assert native.hfq8i_bytes(FORMATS[fmt], 64, 576) == 64 * 576 // 32 * ql.BLOCK_BYTES[fmt]
+    x = torch.randn(71, 96, generator=torch.Generator().manual_seed(7))
     full = layer._call(native.hfq8i_linear, x, weight=copy)
     want = F.linear(quantize_activations(x).double(), ref, layer.bias.double())
     torch.testing.assert_close(full.double(), want, atol=1e-4, rtol=1e-5)
-    for rows in (1, 2, 3, 5, 16, 17):
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):
         assert torch.equal(full[:rows], layer._call(native.hfq8i_linear, x[:rows], weight=copy))
     assert torch.equal(full[6:9], layer._call(native.hfq8i_linear, x[6:9], weight=copy))
     scales = None if layer.scales is None else torch.cat([layer.scales, layer.scales])
@@ -186,7 +202,7 @@ def test_int8_kernel_choice_follows_the_timings(monkeypatch, faster):
     assert quant_layout.rows8_chosen("q4_0", native) is (faster == "rows8")
     assert quant_layout.rows8_chosen("q4_1", native) is (faster == "rows8")  # the same family: not timed again
     assert quant_layout.rows8_chosen("int8", native) is False
-    assert asked == ["q8-layout:q4_1:960x576"]
+    assert asked == [f"q8-layout:q4_1:960x576:{Path(native._name).stem}"]  # timed again for a new build
 
 
 def test_int8_mode_without_its_library_uses_float_kernel_or_torch(monkeypatch):

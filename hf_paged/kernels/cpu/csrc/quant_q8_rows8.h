@@ -11,85 +11,83 @@
  * conversion and two FMAs per 8 outputs: ~3x fewer operations per weight at one row, and the lanes are the
  * outputs (no horizontal sums).
  *
- * Layout, per group of 8 output rows g and block b (groups in order, blocks in order within a group):
- * - Q4_0/Q4_1 (192 bytes): 128 bytes of nibbles, then d[8] and m[8] as fp32 (exact copies of the fp16 values;
- *   Q4_0's m = -8 d, as (q - 8) d = q d - 8 d). Byte 32 L + 4 j + c is byte 4 L + c of row j's GGUF block (low
- *   nibble: weight 4 L + c, high nibble: weight 16 + 4 L + c).
- * - Q8_0/INT8 (288 bytes): 256 bytes of int8 weights, byte 32 t + 4 j + c = row j's weight 4 t + c, then d[8]
- *   (Q8_0's fp16 d as fp32; INT8: 1, its per-row scale multiplies the output). Signed weights cannot use the
- *   int16 sums (|w q_x| pairs reach 32258): each VPMADDUBSW takes |w| against q_x with w's sign and goes
+ * Layout, per group of 8 output rows g (groups in order): the scales of the group's nb blocks as the fp16 values
+ * of the GGUF blocks (converted to fp32 once per group and call: exact), 8 per block, one per row, padded to a
+ * multiple of 32 bytes; then the nb blocks of weights:
+ * - Q4_0/Q4_1: d[nb][8], then (Q4_1) m[nb][8]; nb x 128 bytes of nibbles: 144 or 160 bytes per block of 8 rows,
+ *   the GGUF bytes (Q4_0's m = -8 d is made in fp32, as (q - 8) d = q d - 8 d). Byte 32 L + 4 j + c of a block
+ *   is byte 4 L + c of row j's GGUF block (low nibble: weight 4 L + c, high nibble: weight 16 + 4 L + c).
+ * - Q8_0/INT8: d[nb][8] (INT8: 1, its per-row scale multiplies the output); nb x 256 bytes of int8 weights, byte
+ *   32 t + 4 j + c = row j's weight 4 t + c: 272 bytes per block of 8 rows. Signed weights cannot use
+ *   the int16 sums (|w q_x| pairs reach 32258): each VPMADDUBSW takes |w| against q_x with w's sign and goes
  *   through VPMADDWD at once (|w| is formed once per 8 rows, the sign once per activation row).
- * Rows past N are zero.
+ * Rows past N are zero. Keeping the scales in fp16 makes the copy the size of the GGUF bytes (it used fp32 scales:
+ * 1.2x for Q4_1), and a one-row call, which streams the copy from memory, reads that much less.
  *
  * Per output the operations and their order do not depend on M or on which rows share a tile: a row's result is
  * the same whatever the batch. The numbers are quant_q8.c's contract (the rounded activations times the
  * dequantized weights, up to fp32 rounding), summed in another order: this kernel and hfq8_linear may differ in
  * the last bits, so one process uses one of them for a layer.
  */
-enum { IR = 8, IREC4 = 128 + 2 * IR * 4, IREC8 = 256 + IR * 4 };
+#if HAVE_I8 && defined(__F16C__)
+#define HAVE_ROWS8 1
+#else
+#define HAVE_ROWS8 0
+#endif
+enum { IR = 8 };
 
 static inline int wide(int fmt) { return fmt == FMT_Q8_0 || fmt == FMT_INT8; }
-static inline int irec(int fmt) { return wide(fmt) ? IREC8 : IREC4; }
+/* bytes of a group's block of weights; of its scales for nb blocks (a multiple of 32: the weights stay aligned);
+ * of a group */
+static inline int wbytes(int fmt) { return wide(fmt) ? 256 : 128; }
+static inline size_t sbytes(int fmt, int nb) { return ((size_t)nb * (fmt == FMT_Q4_1 ? 32 : 16) + 31) / 32 * 32; }
+static inline size_t gbytes(int fmt, int nb) { return sbytes(fmt, nb) + (size_t)nb * wbytes(fmt); }
 
 /* bytes of the rows8 copy of an [N, K] weight of format fmt, or -1 where it has none (unknown format, K % 32) */
 int64_t hfq8i_bytes(int fmt, int N, int K) {
     if (block_bytes(fmt) == 0 || K % QK != 0 || N <= 0) return -1;
-    return (int64_t)((N + IR - 1) / IR) * (K / QK) * irec(fmt);
+    return (int64_t)((N + IR - 1) / IR) * (int64_t)gbytes(fmt, K / QK);
 }
 
-/* whether this build has the rows8 kernel (AVX2) */
-int hfq8i_available(void) { return HAVE_I8; }
+/* whether this build has the rows8 kernel (AVX2 with F16C, which every AVX2 CPU has) */
+int hfq8i_available(void) { return HAVE_ROWS8; }
 
 /* the rows8 copy (see above) of the GGUF-layout weight w [N, K] into out (hfq8i_bytes(fmt, N, K) bytes) */
 int hfq8i_repack(const uint8_t* w, int fmt, int N, int K, uint8_t* out, int num_threads) {
     if (hfq8i_bytes(fmt, N, K) < 0) return -1;
     const int nb = K / QK, bb = block_bytes(fmt), off = quant_offset(fmt), groups = (N + IR - 1) / IR;
+    const int wb = wbytes(fmt), quads = wb / 32;
     const size_t row_bytes = (size_t)nb * bb;
-    if (wide(fmt)) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int g = 0; g < groups; ++g) {
-            for (int b = 0; b < nb; ++b) {
-                uint8_t* rec = out + ((size_t)g * nb + b) * IREC8;
-                float d[IR];
-                for (int j = 0; j < IR; ++j) {
-                    const int n = g * IR + j;
-                    const uint8_t* blk = w + (size_t)n * row_bytes + (size_t)b * bb;
-                    for (int t = 0; t < 8; ++t) {
-                        if (n < N) memcpy(rec + 32 * t + 4 * j, blk + off + 4 * t, 4);
-                        else memset(rec + 32 * t + 4 * j, 0, 4);
-                    }
-                    d[j] = n >= N ? 0.0f : fmt == FMT_INT8 ? 1.0f : h2f(blk);
-                }
-                memcpy(rec + 256, d, sizeof d);
-            }
-        }
-        return 0;
-    }
+    const uint16_t one = 0x3c00; /* fp16 1.0: INT8's d */
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int g = 0; g < groups; ++g) {
+        uint8_t* dg = out + (size_t)g * gbytes(fmt, nb); /* d[nb][8], then Q4_1's m[nb][8], then padding */
+        uint8_t* wg = dg + sbytes(fmt, nb);
+        memset(dg, 0, sbytes(fmt, nb));
         for (int b = 0; b < nb; ++b) {
-            uint8_t* rec = out + ((size_t)g * nb + b) * IREC4;
-            float d[IR], m[IR];
+            uint8_t* rec = wg + (size_t)b * wb;
             for (int j = 0; j < IR; ++j) {
                 const int n = g * IR + j;
-                if (n >= N) {
-                    for (int L = 0; L < 4; ++L) memset(rec + 32 * L + 4 * j, 0, 4);
-                    d[j] = 0.0f, m[j] = 0.0f;
-                    continue;
-                }
                 const uint8_t* blk = w + (size_t)n * row_bytes + (size_t)b * bb;
-                for (int L = 0; L < 4; ++L) memcpy(rec + 32 * L + 4 * j, blk + off + 4 * L, 4);
-                d[j] = h2f(blk);
-                m[j] = fmt == FMT_Q4_1 ? h2f(blk + 2) : -8.0f * d[j];
+                uint8_t* d = dg + ((size_t)b * IR + j) * 2;
+                for (int t = 0; t < quads; ++t) {
+                    if (n < N) memcpy(rec + 32 * t + 4 * j, blk + off + 4 * t, 4);
+                    else memset(rec + 32 * t + 4 * j, 0, 4);
+                }
+                if (n >= N) memset(d, 0, 2);
+                else if (fmt == FMT_INT8) memcpy(d, &one, 2);
+                else memcpy(d, blk, 2);
+                if (fmt == FMT_Q4_1) {
+                    if (n < N) memcpy(d + (size_t)nb * IR * 2, blk + 2, 2);
+                    else memset(d + (size_t)nb * IR * 2, 0, 2);
+                }
             }
-            memcpy(rec + 128, d, sizeof d);
-            memcpy(rec + 128 + sizeof d, m, sizeof m);
         }
     }
     return 0;
 }
 
-#if HAVE_I8
+#if HAVE_ROWS8
 enum { MRI = 4 };
 
 static inline __m256i bcast4(const int8_t* p) {
@@ -98,16 +96,44 @@ static inline __m256i bcast4(const int8_t* p) {
     return _mm256_set1_epi32(v);
 }
 
-/* out[i] = the 8 outputs of group wg for activation rows i < mr (without bias) */
+/* v as it is, in a register: an empty asm the compiler cannot see through. Without it GCC re-associates each
+ * row's chain of integer adds into a tree over all of a block's products at once, whose partial sums overflow
+ * the 16 ymm registers: the 4-row tiles spilled about as many vectors as they multiplied, 1.4x the time. */
+static inline __m256i kept(__m256i v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+/* block b's scales as fp32 (exact): d, and for 4-bit weights m, of the group's 8 rows; from the fp16 copy dg, or
+ * where sc is not NULL from its fp32 conversion (group_scales: once per group, for batches of several tiles) */
+static inline __m256 scale_d(const uint8_t* dg, const float* sc, int b) {
+    return sc ? _mm256_loadu_ps(sc + 16 * b) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dg + (size_t)b * 16)));
+}
+
+static inline __m256 scale_m(int fmt, int nb, const uint8_t* dg, const float* sc, int b, __m256 d) {
+    if (sc) return _mm256_loadu_ps(sc + 16 * b + 8);
+    if (fmt == FMT_Q4_1) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dg + ((size_t)nb + b) * 16)));
+    return _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)); /* Q4_0 */
+}
+
+static void group_scales(int fmt, int nb, const uint8_t* dg, float* sc) {
+    for (int b = 0; b < nb; ++b) {
+        const __m256 d = scale_d(dg, NULL, b);
+        _mm256_storeu_ps(sc + 16 * b, d);
+        if (!wide(fmt)) _mm256_storeu_ps(sc + 16 * b + 8, scale_m(fmt, nb, dg, NULL, b, d));
+    }
+}
+
+/* out[i] = the 8 outputs of group (wg, dg) for activation rows i < mr (without bias); sc: see scale_d */
 static inline __attribute__((always_inline)) void tile_rows8(
-    const int mr, const int nb, const uint8_t* wg, const int8_t* xq, const int64_t K, const float* xd,
-    const float* xs, __m256 out[MRI])
+    const int mr, const int fmt, const int nb, const uint8_t* wg, const uint8_t* dg, const float* sc,
+    const int8_t* xq, const int64_t K, const float* xd, const float* xs, __m256 out[MRI])
 {
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 acc[MRI];
     for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; ++b) {
-        const uint8_t* rec = wg + (size_t)b * IREC4;
+        const uint8_t* rec = wg + (size_t)b * 128;
         __m256i s16[MRI];
         for (int i = 0; i < mr; ++i) s16[i] = _mm256_setzero_si256();
         for (int L = 0; L < 4; ++L) {
@@ -115,11 +141,11 @@ static inline __attribute__((always_inline)) void tile_rows8(
             const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
             for (int i = 0; i < mr; ++i) {
                 const int8_t* xb = xq + i * K + b * QK;
-                s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * L)));
-                s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * L)));
+                s16[i] = kept(_mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * L))));
+                s16[i] = kept(_mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * L))));
             }
         }
-        const __m256 d = _mm256_loadu_ps((const float*)(rec + 128)), m = _mm256_loadu_ps((const float*)(rec + 160));
+        const __m256 d = scale_d(dg, sc, b), m = scale_m(fmt, nb, dg, sc, b, d);
         for (int i = 0; i < mr; ++i) {
             const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones));
             acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xd[i * nb + b])), acc[i]);
@@ -131,24 +157,24 @@ static inline __attribute__((always_inline)) void tile_rows8(
 
 /* the same for 8-bit weights (Q8_0, INT8): out[i] = sum over blocks of d_w * d_x * (integer dot) */
 static inline __attribute__((always_inline)) void tile_rows8_wide(
-    const int mr, const int nb, const uint8_t* wg, const int8_t* xq, const int64_t K, const float* xd,
-    __m256 out[MRI])
+    const int mr, const int nb, const uint8_t* wg, const uint8_t* dg, const float* sc, const int8_t* xq,
+    const int64_t K, const float* xd, __m256 out[MRI])
 {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MRI];
     for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; ++b) {
-        const uint8_t* rec = wg + (size_t)b * IREC8;
+        const uint8_t* rec = wg + (size_t)b * 256;
         __m256i s32[MRI];
         for (int i = 0; i < mr; ++i) s32[i] = _mm256_setzero_si256();
         for (int t = 0; t < 8; ++t) {
             const __m256i w = _mm256_loadu_si256((const __m256i*)(rec + 32 * t)), u = _mm256_abs_epi8(w);
             for (int i = 0; i < mr; ++i) {
                 const __m256i sx = _mm256_sign_epi8(bcast4(xq + i * K + b * QK + 4 * t), w);
-                s32[i] = _mm256_add_epi32(s32[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, sx), ones));
+                s32[i] = kept(_mm256_add_epi32(s32[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, sx), ones)));
             }
         }
-        const __m256 d = _mm256_loadu_ps((const float*)(rec + 256));
+        const __m256 d = scale_d(dg, sc, b);
         for (int i = 0; i < mr; ++i)
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]), _mm256_mul_ps(d, _mm256_set1_ps(xd[i * nb + b])),
                                      acc[i]);
@@ -156,34 +182,39 @@ static inline __attribute__((always_inline)) void tile_rows8_wide(
     for (int i = 0; i < mr; ++i) out[i] = acc[i];
 }
 
-static void tile_rows8_any(int fmt, int mr, int nb, const uint8_t* wg, const int8_t* xq, int64_t K,
-                           const float* xd, const float* xs, __m256 out[MRI]) {
-    if (wide(fmt)) {
-        switch (mr) {
-        case 4: tile_rows8_wide(4, nb, wg, xq, K, xd, out); break;
-        case 3: tile_rows8_wide(3, nb, wg, xq, K, xd, out); break;
-        case 2: tile_rows8_wide(2, nb, wg, xq, K, xd, out); break;
-        default: tile_rows8_wide(1, nb, wg, xq, K, xd, out); break;
-        }
-        return;
+/* the tile of mr rows: scales from sc (scratch) or, with sc NULL, from the copy (the compiler makes both) */
+static void tile_rows8_any(int fmt, int mr, int nb, const uint8_t* wg, const uint8_t* dg, const float* sc,
+                           const int8_t* xq, int64_t K, const float* xd, const float* xs, __m256 out[MRI]) {
+#define TILE(R, F, S)                                                                                   \
+    if (wide(F)) tile_rows8_wide(R, nb, wg, dg, S, xq, K, xd, out);                                      \
+    else tile_rows8(R, F, nb, wg, dg, S, xq, K, xd, xs, out);
+#define TILE_SC(R, F) if (sc) { TILE(R, F, sc) } else { TILE(R, F, NULL) }
+#define TILE_MR(F)                                                                                      \
+    switch (mr) {                                                                                       \
+    case 4: TILE_SC(4, F) break;                                                                        \
+    case 3: TILE_SC(3, F) break;                                                                        \
+    case 2: TILE_SC(2, F) break;                                                                        \
+    default: TILE_SC(1, F) break;                                                                       \
     }
-    switch (mr) {
-    case 4: tile_rows8(4, nb, wg, xq, K, xd, xs, out); break;
-    case 3: tile_rows8(3, nb, wg, xq, K, xd, xs, out); break;
-    case 2: tile_rows8(2, nb, wg, xq, K, xd, xs, out); break;
-    default: tile_rows8(1, nb, wg, xq, K, xd, xs, out); break;
+    switch (fmt) {
+    case FMT_Q4_0: TILE_MR(FMT_Q4_0) break;
+    case FMT_Q4_1: TILE_MR(FMT_Q4_1) break;
+    default: TILE_MR(FMT_Q8_0) break; /* Q8_0 and INT8 run the same code */
     }
+#undef TILE_MR
+#undef TILE_SC
+#undef TILE
 }
 #endif
 
 /*
  * hfq8_linear's computation on the rows8 copy wi of a weight (same arguments; scales: INT8's per-row scales).
- * Returns 0, -1 for an unknown format, K % 32 or a build without AVX2, -2 when scratch cannot be allocated.
+ * Returns 0, -1 for an unknown format, K % 32 or a build without AVX2 and F16C, -2 when scratch cannot be allocated.
  */
 int hfq8i_linear(const float* x, int64_t ldx, const uint8_t* wi, int fmt, const float* scales, const float* bias,
                  float* y, int64_t ldy, int M, int N, int K, int num_threads)
 {
-#if HAVE_I8
+#if HAVE_ROWS8
     if (hfq8i_bytes(fmt, N, K) < 0 || (fmt == FMT_INT8 && scales == NULL)) return -1;
     if (M <= 0) return 0;
     const int nb = K / QK, groups = (N + IR - 1) / IR;
@@ -195,41 +226,55 @@ int hfq8i_linear(const float* x, int64_t ldx, const uint8_t* wi, int fmt, const 
     }
     float* xs = xd + (size_t)M * nb;
     hfq8_quantize(x, ldx, M, K, xq, xd, xs, M >= 64 ? num_threads : 1);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int g = 0; g < groups; ++g) {
-        const int n0 = g * IR, nr = N - n0 < IR ? N - n0 : IR;
-        const uint8_t* wg = wi + (size_t)g * nb * irec(fmt);
-        __m256 b8 = _mm256_setzero_ps(), s8 = _mm256_set1_ps(1.0f);
-        if (bias != NULL) {
-            float tmp[IR] = {0};
-            memcpy(tmp, bias + n0, sizeof(float) * nr);
-            b8 = _mm256_loadu_ps(tmp);
+    int rc = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float* sc = malloc(sizeof(float) * 16 * (size_t)nb);
+        if (sc == NULL) {
+#pragma omp atomic write
+            rc = -2;
         }
-        if (fmt == FMT_INT8) {
-            float tmp[IR] = {0};
-            memcpy(tmp, scales + n0, sizeof(float) * nr);
-            s8 = _mm256_loadu_ps(tmp);
-        }
-        for (int m0 = 0; m0 < M; m0 += MRI) {
-            const int mr = M - m0 < MRI ? M - m0 : MRI;
-            __m256 out[MRI];
-            tile_rows8_any(fmt, mr, nb, wg, xq + (size_t)m0 * K, K, xd + (size_t)m0 * nb, xs + (size_t)m0 * nb, out);
-            for (int i = 0; i < mr; ++i) {
-                /* as hfq8_linear: out * s + bias in one rounding (s = 1 except INT8's row scale) */
-                const __m256 v = _mm256_fmadd_ps(out[i], s8, b8);
-                float* yr = y + (m0 + i) * ldy + n0;
-                if (nr == IR) _mm256_storeu_ps(yr, v);
-                else {
-                    float tmp[IR];
-                    _mm256_storeu_ps(tmp, v);
-                    memcpy(yr, tmp, sizeof(float) * nr);
+#pragma omp for schedule(static)
+        for (int g = 0; g < groups; ++g) {
+            if (sc == NULL) continue;
+            const int n0 = g * IR, nr = N - n0 < IR ? N - n0 : IR;
+            const uint8_t* dg = wi + (size_t)g * gbytes(fmt, nb), *wg = dg + sbytes(fmt, nb);
+            const int convert = M >= 2 * MRI; /* a batch of several tiles converts the scales once */
+            if (convert) group_scales(fmt, nb, dg, sc);
+            __m256 b8 = _mm256_setzero_ps(), s8 = _mm256_set1_ps(1.0f);
+            if (bias != NULL) {
+                float tmp[IR] = {0};
+                memcpy(tmp, bias + n0, sizeof(float) * nr);
+                b8 = _mm256_loadu_ps(tmp);
+            }
+            if (fmt == FMT_INT8) {
+                float tmp[IR] = {0};
+                memcpy(tmp, scales + n0, sizeof(float) * nr);
+                s8 = _mm256_loadu_ps(tmp);
+            }
+            for (int m0 = 0; m0 < M; m0 += MRI) {
+                const int mr = M - m0 < MRI ? M - m0 : MRI;
+                __m256 out[MRI];
+                tile_rows8_any(fmt, mr, nb, wg, dg, convert ? sc : NULL, xq + (size_t)m0 * K, K,
+                               xd + (size_t)m0 * nb, xs + (size_t)m0 * nb, out);
+                for (int i = 0; i < mr; ++i) {
+                    /* as hfq8_linear: out * s + bias in one rounding (s = 1 except INT8's row scale) */
+                    const __m256 v = _mm256_fmadd_ps(out[i], s8, b8);
+                    float* yr = y + (m0 + i) * ldy + n0;
+                    if (nr == IR) _mm256_storeu_ps(yr, v);
+                    else {
+                        float tmp[IR];
+                        _mm256_storeu_ps(tmp, v);
+                        memcpy(yr, tmp, sizeof(float) * nr);
+                    }
                 }
             }
         }
+        free(sc);
     }
     free(xq);
     free(xd);
-    return 0;
+    return rc;
 #else
     (void)x, (void)ldx, (void)wi, (void)fmt, (void)scales, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K,
         (void)num_threads;
