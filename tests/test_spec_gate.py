@@ -123,3 +123,22 @@ def test_scheduler_stops_drafting_where_measured_steps_say_it_costs(limit, stops
     else:
         assert spec_steps >= 35  # None: speculation at any batch size (vLLM's default), the gate is not used
         assert sched.spec_gate.buckets == {}
+
+
+def test_steps_between_the_two_kinds_are_not_measured():
+    """A step's time includes drafting for the next step: the plain step that starts drafting (slow here) and the
+    verifying step that stops are left out, so plain decoding, slightly faster, still wins."""
+    kv = KVCacheManager(200, 4)
+    sched = Scheduler(kv, 8, 256, 128)
+    for i in range(8):
+        sched.add_request(_spec_request(i, "auto"))
+
+    def seconds(out):
+        verified = any(s.num_draft_tokens for s in out.scheduled)
+        drafts = any(s.propose for s in out.scheduled)
+        return {(True, True): 0.012, (False, False): 0.010, (False, True): 0.05, (True, False): 0.012}[verified, drafts]
+
+    spec_steps = _run(sched, seconds, 40)
+    summary = sched.spec_gate.summary()["8-15"]
+    assert summary["plain_tok_s"] == pytest.approx(800.0) and summary["spec_tok_s"] == pytest.approx(8 / 0.012, abs=0.1)
+    assert spec_steps <= 3

@@ -279,8 +279,12 @@ class Scheduler(SchedulerUpdate, SchedulerQueues):
         if self.pacer is not None:
             self.pacer.observe(seconds, sum(1 for n in rows if n == 1), sum(n for n in rows if n > 1))
         if result is not None and rows and all(n == 1 for n in rows) and self._uses_gate():
-            tokens = sum(len(result.sampled_token_ids.get(s.seq_id, ())) for s in out.scheduled)
-            self.spec_gate.observe(seconds, len(rows), tokens, any(s.num_draft_tokens for s in out.scheduled))
+            # a step's seconds include drafting for the next one: only steps that verify and draft (speculation's
+            # steady state) or do neither (plain decoding's) are measured, not the steps between the two
+            verified, drafted = any(s.num_draft_tokens for s in out.scheduled), bool(result.spec_token_ids)
+            if verified == drafted:
+                tokens = sum(len(result.sampled_token_ids.get(s.seq_id, ())) for s in out.scheduled)
+                self.spec_gate.observe(seconds, len(rows), tokens, verified)
 
     def _uses_gate(self) -> bool:
         return any(r.spec_key is not None and r.spec_disable_batch_size == "auto" for r in self.running)

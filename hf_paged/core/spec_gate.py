@@ -7,9 +7,10 @@ loss. Where that happens depends on the host, the model, the dtype and the propo
 it: it measures both ways at each batch size and keeps the faster.
 
 - Decode-only steps (every sequence runs one token, or one token and its drafts) are sorted into batch-size
-  buckets (1, 2-3, 4-7, 8-15, ...). A step that verified drafts is a *speculative* step, one without is a
-  *plain* one; each bucket keeps a moving average of the tokens per second the sequences received in each
-  kind (speculative steps count their accepted drafts: what a user sees).
+  buckets (1, 2-3, 4-7, 8-15, ...). A step that verified drafts and drafted again is a *speculative* step, one
+  that did neither is a *plain* one (a step's time includes drafting for the next, so the steps between the two
+  kinds are not measured); each bucket keeps a moving average of the tokens per second the sequences received
+  in each kind (speculative steps count their accepted drafts: what a user sees).
 - Until a bucket has :attr:`SpecGate.min_samples` steps of a kind it lets that kind run (speculative first),
   then it allows speculation while its rate is at least the plain rate. Every :attr:`SpecGate.reprobe` steps of
   the bucket the losing kind runs :attr:`SpecGate.min_samples` steps again, so a change in the text (acceptance)
