@@ -60,13 +60,14 @@ def run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
 PYTHON_SNIPPETS = blocks(README, "python")
 
 
-def test_readme_shows_the_five_snippets():
-    assert len(PYTHON_SNIPPETS) == 5, "the engine, transformers, structured output, quantized-weights, LoRA snippets"
+def test_readme_shows_the_six_snippets():
+    assert len(PYTHON_SNIPPETS) == 6, "the engine, transformers, structured output, quantized-weights, LoRA, spec snippets"
     assert "PagedGenerator" in PYTHON_SNIPPETS[0] and "apply_chat_template" in PYTHON_SNIPPETS[0]
     assert all(name in PYTHON_SNIPPETS[1] for name in ("hf_paged.wrap", "model.generate", "pipeline("))
     assert "structured_outputs" in PYTHON_SNIPPETS[2]
     assert "quantized=True" in PYTHON_SNIPPETS[3]
     assert "enable_lora=True" in PYTHON_SNIPPETS[4] and "examples/lora_upper" in PYTHON_SNIPPETS[4]
+    assert "speculative_config" in PYTHON_SNIPPETS[5] and "spec_decode" in PYTHON_SNIPPETS[5]
     commands = {argv[0] for argv in cli_lines(README) if argv}
     assert {"generate", "serve", "chat"} <= commands
     assert len(README.read_text().splitlines()) <= 200, "the README stays short: depth goes to docs/"
