@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from hf_paged.cli import lifetime
+from hf_paged.cli.lifetime import start_up
 from hf_paged.cli.checks import UsageError
 
 
@@ -69,7 +69,7 @@ def build_engine(args, **config):
         path = args.model or str(default_model_path())
         tokenizer = AutoTokenizer.from_pretrained(path)
         return PagedGenerator.from_pretrained(path, tokenizer, dtype=args.dtype, **config), tokenizer
-    with lifetime.start_up():  # imports torch and transformers, loads, builds: the collector waits until done
+    with start_up():  # imports torch and transformers, loads, builds: the collector waits until done
         from hf_paged import PagedGenerator
 
         model, tokenizer = load(args)
