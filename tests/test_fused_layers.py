@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.kernels.cpu import fused_ops
+from hf_paged.kernels.cpu import fused_ops, probes
 from hf_paged.kernels.cpu.native import NativeLibrary
 from tests.helpers import make_model, make_prompts, stock_greedy
 
@@ -34,6 +34,39 @@ def test_kernels_narrower_vector_builds(isa_flags, monkeypatch):
     for dtype in (torch.float32, torch.bfloat16):
         _assert_rounds_like_torch(dtype)
         fused_ops._probe_argmax(dtype)
+    fused_ops._probe_silu(torch.bfloat16)
+    _assert_silu_mul_is_torch_bitwise()
+
+
+def test_silu_mul_is_torch_for_every_bf16_gate():
+    assert fused_ops.silu_mul_available(), probes.probe(fused_ops.PROBE_SILU, torch.bfloat16).reason
+    _assert_silu_mul_is_torch_bitwise()
+
+
+def _assert_silu_mul_is_torch_bitwise():
+    """Every one of the 65536 bf16 gate values (NaNs, infinities, subnormals, where exp overflows) times random up
+    values, in strided rows of one gate|up buffer as the GEMM writes them: torch's bits exactly."""
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(64, 1024)
+    up = torch.randn(64, 1024, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    both = torch.cat([gate, up], dim=1)
+    want = torch.nn.functional.silu(gate.clone()).mul_(up)
+    got = fused_ops.LIBRARY.load()
+    got.hfp_silu_mul_bf16(both.data_ptr(), both.stride(0), both.data_ptr() + 1024 * 2, both.stride(0), 64, 1024, 2)
+    same = (both[:, :1024].view(torch.int16) == want.view(torch.int16)) | (both[:, :1024].isnan() & want.isnan())
+    assert same.all(), f"{(~same).sum().item()} results differ, e.g. gate {gate[~same][:4].tolist()}"
+    for rows, n in ((1, 7), (3, 40)):  # below and past one vector, through the Python entry point
+        g, u = (torch.randn(rows, n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16) for _ in range(2))
+        assert torch.equal(fused_ops.silu_mul_(g.clone(), u), torch.nn.functional.silu(g).mul_(u))
+
+
+def test_silu_mul_keeps_torch_for_fp32_and_refuses_bad_tensors():
+    g, u = torch.randn(5, 33), torch.randn(5, 33)
+    assert torch.equal(fused_ops.silu_mul_(g.clone(), u), torch.nn.functional.silu(g) * u)
+    bf = torch.randn(5, 33).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"up: expected \(5, 33\) torch.bfloat16 like gate, got \(5, 32\)"):
+        fused_ops.silu_mul_(bf, bf[:, :32].contiguous())
+    with pytest.raises(ValueError, match="gate: expected a CPU fp32/bf16/fp16"):
+        fused_ops.silu_mul_(bf.t(), bf.t())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -124,12 +124,13 @@ needs_native_bf16 = pytest.mark.skipif(not packed_linear.available("native", tor
 
 
 @needs_native_bf16
-@pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 97, 300])
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 16, 17, 64, 97, 300])
 @pytest.mark.parametrize("shape", [(96, 80), (97, 600), (3, 5), (40, 1536)], ids=["even", "ragged", "odd-k", "long-k"])
 def test_native_bf16_packed_linear_matches_linear(rows, shape):
-    """bf16 (VDPBF16PS): row-block tails (rows % 8), a last panel narrower than 32 columns (masked stores), an
-    odd K (zero column), prefill's row blocks (97, 300), bias in fp32; equal to F.linear but for the last
-    bit of a few sums (another order), rows independent of the batch, strided inputs."""
+    """bf16 (AMX tiles where the CPU and OS have them, else VDPBF16PS): row-block tails (rows % 8, rows % 16), a
+    last panel narrower than its 48 columns (masked stores), K past a multiple of 32 (AMX's even tail), an odd K
+    (zero column), prefill's row blocks (97, 300), bias in fp32; equal to F.linear but for the last bit of a
+    few sums (another order), rows independent of the batch, strided inputs."""
     w, b, x = (t.bfloat16() for t in _native_case(rows, *shape, seed=rows))
     pack = NativePackedWeight(w)
     got = pack.linear(x, b)
@@ -143,6 +144,32 @@ def test_native_bf16_packed_linear_matches_linear(rows, shape):
     nan = x.clone()
     nan[0, 0] = float("nan")
     assert pack.linear(nan, b)[0].isnan().all() and not pack.linear(nan, b)[1:].isnan().any()
+
+
+@needs_native_bf16
+def test_native_bf16_gemm_without_amx_agrees():
+    """The VDPBF16PS kernel, built without AMX (what AVX-512 BF16 CPUs without tiles, e.g. Zen 4/5, run), reports
+    no AMX and agrees with the default build (AMX on an AMX host) to the last bit of a few sums."""
+    flags = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+    lib = NativeLibrary("gemm_cpu.c", native_gemm.NATIVE_GEMM.functions, extra_flags=flags).load()
+    if lib is None:
+        pytest.skip("the compiler does not know -mno-amx-*")
+    assert lib.hfp_gemm_bf16_ok() and lib.hfp_gemm_bf16_amx() == 0
+    default = native_gemm.NATIVE_GEMM.load()
+    for rows, (n, k) in ((1, (97, 600)), (17, (96, 80)), (70, (50, 1536))):
+        w, b, x = (t.bfloat16() for t in _native_case(rows, n, k, seed=rows))
+        bias = b.float()
+        packed = torch.empty(NativePackedWeight(w).packed.shape, dtype=torch.bfloat16)
+        lib.hfp_gemm_bf16_pack(w.data_ptr(), w.stride(0), n, k, packed.data_ptr())
+        assert torch.equal(packed, NativePackedWeight(w).packed)  # one layout for both kernels
+        got = torch.empty(rows, n, dtype=torch.bfloat16)
+        assert lib.hfp_gemm_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(), bias.data_ptr(), got.data_ptr(),
+                                 got.stride(0), rows, n, k, torch.get_num_threads()) == 0
+        ref = torch.empty_like(got)
+        assert default.hfp_gemm_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(), bias.data_ptr(),
+                                     ref.data_ptr(), ref.stride(0), rows, n, k, torch.get_num_threads()) == 0
+        assert (got == ref).float().mean() > 0.99
+        torch.testing.assert_close(got.double(), ref.double(), atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
 
 
 @pytest.mark.parametrize(("isa_flags", "panel"), [
@@ -385,3 +412,12 @@ def test_packing_choice_margins():
     assert choose_kind({"torch": 100, "mkl": 50}) == "mkl"
     assert choose_kind({"torch": 100, "upcast": 70, "onednn": 78}) == "onednn"  # upcast needs 25%: twice the memory
 
+
+
+@needs_native_bf16
+def test_env_report_names_the_bf16_gemm_instructions(monkeypatch):
+    """``hf-paged env`` says whether our bf16 GEMM runs on AMX tiles or VDPBF16PS on this host."""
+    monkeypatch.setattr(packed_linear, "fastest_kind", lambda *a, **k: "native")
+    text = packed_linear.describe_choice(torch.bfloat16)
+    amx = bool(native_gemm.NATIVE_GEMM.load().hfp_gemm_bf16_amx())
+    assert text.startswith("native (AMX tiles)" if amx else "native (VDPBF16PS)"), text

@@ -435,7 +435,11 @@ class DecodeProgram:
                 raise _Unfit("decoder layers of different MLP widths")
             ops.append(gemm_op(gu_pack, gu_bias, Hn, hidden, GU))
             ops += delta_op([linear_of(getattr(mlp, n)) for n in GATE_UP], Hn, [GU[:, :inter], GU[:, inter:]])
-            ops.append((self._silu_mul, ()))
+            if dtype == torch.bfloat16 and fused_ops.silu_mul_available():  # fused_ops.silu_mul_'s C pass
+                ops.append((norms.hfp_silu_mul_bf16, (
+                    GU.data_ptr(), 2 * inter, GU.data_ptr() + inter * elem, 2 * inter, self._rows, inter, threads)))
+            else:
+                ops.append((self._silu_mul, ()))
             ops.extend(linear_ops(mlp.down_proj, GU, 2 * inter, M))
         ops.append((self._final_norm, ()))
         if len(layers) - 1 in caps:  # the final norm's pass left the last layer's output in X
@@ -473,7 +477,7 @@ class DecodeProgram:
 
     def _silu_mul(self) -> None:
         gate, up = self._act
-        torch.nn.functional.silu(gate, inplace=True).mul_(up)  # the fused forward's two roundings, in place
+        fused_ops.silu_mul_(gate, up)  # the fused forward's, in place
 
 
 def _shape(pack) -> tuple[int, int]:

@@ -1,8 +1,8 @@
 """Fused elementwise CPU kernels of a Llama-family decoder layer (``csrc/fused_cpu.c``), called through ctypes.
 
 RMSNorm (optionally after the residual add) and rotary embedding of q and k in place, each one C call and
-one pass over the rows where the torch code takes several ops and their Python dispatch; and the row argmax of
-greedy sampling (probed on its own, ``sampling.argmax``). Built by :mod:`hf_paged.kernels.cpu.native` with ``-ffp-contract=off`` and rounded op by op like the
+one pass over the rows where the torch code takes several ops and their Python dispatch; the MLP's SiLU-mul in
+bf16 (probed on its own, ``layers.silu_mul``); and the row argmax of greedy sampling (``sampling.argmax``). Built by :mod:`hf_paged.kernels.cpu.native` with ``-ffp-contract=off`` and rounded op by op like the
 torch code they replace; each dtype is probed once against that torch code (:mod:`hf_paged.kernels.cpu.probes`)
 and :func:`available` is False where the build or the probe fails. Used by :mod:`hf_paged.model.layers.fused_decoder`.
 """
@@ -18,6 +18,7 @@ from hf_paged.kernels.cpu.native import NativeLibrary
 
 PROBE = "layers.fused"
 PROBE_ARGMAX = "sampling.argmax"
+PROBE_SILU = "layers.silu_mul"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 LIBRARY = NativeLibrary(
@@ -26,6 +27,7 @@ LIBRARY = NativeLibrary(
         "hfp_rms_norm": (None, [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i32, _i32, _f32, _i32, _i32]),
         "hfp_rope": (None, [_ptr, _i64, _i32, _ptr, _i64, _i32, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32]),
         "hfp_argmax_rows": (None, [_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i32]),
+        "hfp_silu_mul_bf16": (None, [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32]),
     },
     extra_flags=("-ffp-contract=off",),
     what="the fused CPU layer kernels",
@@ -83,6 +85,26 @@ def argmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return value, index
 
 
+def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gate = silu(gate) * up`` in place, with torch's two roundings; one C pass for bf16 where its probe passes
+    (equal to torch's but for the last bit of a few in 10^5), torch's own ops otherwise (fp32 stays exactly the
+    stock model's). Returns ``gate``."""
+    if gate.dtype == torch.bfloat16 and silu_mul_available():
+        _rows(gate, "gate")
+        _rows(up, "up")
+        if up.shape != gate.shape or up.dtype != gate.dtype:
+            raise ValueError(f"up: expected {tuple(gate.shape)} {gate.dtype} like gate, got {tuple(up.shape)} {up.dtype}")
+        LIBRARY.load().hfp_silu_mul_bf16(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), gate.shape[0],
+                                         gate.shape[1], torch.get_num_threads())
+        return gate
+    return torch.nn.functional.silu(gate, inplace=True).mul_(up)
+
+
+def silu_mul_available() -> bool:
+    """Whether the bf16 SiLU-mul kernel builds here and agrees with torch's (probed once)."""
+    return probes.probe(PROBE_SILU, torch.bfloat16).ok
+
+
 def available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the kernels build here and compute ``dtype`` like the torch code they replace (probed once)."""
     return probes.probe(PROBE, dtype).ok
@@ -102,6 +124,7 @@ def reset() -> None:
     LIBRARY.reset()
     probes.reset(PROBE)
     probes.reset(PROBE_ARGMAX)
+    probes.reset(PROBE_SILU)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -163,5 +186,30 @@ def _probe_argmax(dtype: torch.dtype) -> None:
         raise probes.ProbeMismatch("fused argmax: indices or maxima differ from torch.max")
 
 
+def _probe_silu(dtype: torch.dtype) -> None:
+    """Strided rows of a gate|up buffer (the GEMM's output), a tail past the vector width, the values where exp
+    overflows or vanishes, infinities and NaN, against torch's silu-then-mul."""
+    if dtype != torch.bfloat16:
+        raise NotImplementedError(f"the SiLU-mul kernel takes torch.bfloat16, not {dtype}")
+    if LIBRARY.load() is None:
+        raise RuntimeError(LIBRARY.why or "the fused kernels could not be built")
+    g = torch.Generator().manual_seed(2)
+    rows, n = 70, 997
+    both = (torch.randn(rows, 2 * n, generator=g) * 4).to(dtype)
+    both[0, :8] = torch.tensor([-200.0, -88.5, -87.0, 90.0, float("inf"), float("-inf"), float("nan"), -0.0])
+    want = torch.nn.functional.silu(both[:, :n].clone()).mul_(both[:, n:])
+    got = both.clone()
+    LIBRARY.load().hfp_silu_mul_bf16(got.data_ptr(), got.stride(0), got.data_ptr() + n * 2, got.stride(0), rows, n,
+                                     torch.get_num_threads())
+    got = got[:, :n]
+    if not torch.equal(got[0, :8].nan_to_num(), want[0, :8].nan_to_num()) or not torch.equal(got.isnan(), want.isnan()):
+        raise probes.ProbeMismatch(f"fused SiLU-mul of {both[0, :8].tolist()}: {got[0, :8].tolist()}, torch "
+                                   f"{want[0, :8].tolist()}")
+    if (got == want).logical_or(got.isnan()).float().mean() < 0.999:
+        raise probes.ProbeMismatch("fused SiLU-mul: more than 1 in 1000 results differ from torch's")
+    probes.check_close(got[1:], want[1:], "fused SiLU-mul")
+
+
 probes.register(PROBE, _probe)
+probes.register(PROBE_SILU, _probe_silu)
 probes.register(PROBE_ARGMAX, _probe_argmax)

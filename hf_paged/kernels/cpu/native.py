@@ -11,6 +11,7 @@ pure-torch path. OpenMP comes from libgomp.so.1, the runtime torch's own threads
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -43,6 +44,15 @@ def _cpu_key() -> str:
 def _last_line(text: str) -> str:
     lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
     return lines[-1][:200] if lines else "unknown error"
+
+
+@functools.lru_cache(maxsize=None)
+def sources_digest() -> str:
+    """A hash of every C source and header in ``csrc/``: measured kernel timings are only valid for this code."""
+    h = hashlib.sha1()
+    for f in sorted(CSRC.glob("*.[ch]")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 class NativeLibrary:

@@ -23,6 +23,7 @@ NATIVE_GEMM = NativeLibrary(
         "hfp_gemm": (_i32, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32]),
         "hfp_gemm_bf16_ok": (_i32, []),
         "hfp_gemm_bf16_nr": (_i32, []),
+        "hfp_gemm_bf16_amx": (_i32, []),
         "hfp_gemm_bf16_pack": (None, [_ptr, _i64, _i32, _i32, _ptr]),
         "hfp_gemm_bf16": (_i32, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32]),
     },
@@ -34,8 +35,9 @@ class NativePackedWeight:
     """One fp32 or bf16 weight in the panel layout of ``csrc/gemm_cpu.c`` (our own register-blocked GEMM).
 
     fp32: each output sums its k terms in order (fused multiply-adds where the CPU has FMA), so a row's result
-    is the same whatever other rows share the batch. bf16 (CPUs with AVX-512 BF16): VDPBF16PS sums k pairs
-    into fp32, bias added in fp32, one rounding to bf16 at the end, again independent of the other rows.
+    is the same whatever other rows share the batch. bf16 (CPUs with AVX-512 BF16): AMX tiles (TDPBF16PS, where
+    the CPU has AMX-BF16 and the OS grants the tile state) or else VDPBF16PS sum k pairs into fp32, bias added
+    in fp32, one rounding to bf16 at the end, again independent of the other rows.
     """
 
     kind = "native"

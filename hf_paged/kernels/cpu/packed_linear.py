@@ -380,4 +380,6 @@ def describe_choice(dtype: torch.dtype, shape: tuple[int, int] = (1024, 1024)) -
     label = f"upcast (fp32 compute, {fastest_kind(torch.float32, *shape, include_torch=False)} packing)" if kind == "upcast" else kind
     if kind == "torch":
         label = "torch (F.linear)"
+    if kind == "native" and dtype == torch.bfloat16:  # which instructions our bf16 GEMM runs on here
+        label = "native (AMX tiles)" if native_gemm.NATIVE_GEMM.load().hfp_gemm_bf16_amx() else "native (VDPBF16PS)"
     return f"{label}" + (f" ({'; '.join(parts)})" if parts else "")

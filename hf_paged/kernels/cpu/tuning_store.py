@@ -2,7 +2,7 @@
 
 Which linear packing is fastest for a weight shape is measured on the host (:func:`packed_linear.fastest_kind`,
 about a second per shape on 2 cores). The answer depends on the CPU, the ISA level (``HF_PAGED_ISA``), the
-thread count and the library versions, not on the model: this store keeps the measured timings in
+thread count, the library versions and the C sources, not on the model: this store keeps the measured timings in
 ``<cache dir>/tuning/<fingerprint>.json``, one file per such combination, and the next process with the same
 fingerprint reads them instead of timing. ``HF_PAGED_RETUNE=1`` times again (and overwrites);
 ``HF_PAGED_TUNING_STORE=0`` neither reads nor writes (the test suite's default, so each test process times
@@ -35,7 +35,9 @@ def enabled() -> bool:
 
 
 def _fingerprint() -> str:
-    parts = [isa.cache_key(), torch.__version__, str(torch.get_num_threads()), _version()]
+    from hf_paged.kernels.cpu.native import sources_digest
+
+    parts = [isa.cache_key(), torch.__version__, str(torch.get_num_threads()), _version(), sources_digest()]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -227,7 +227,7 @@ def _fused_forward(layer, hidden_states, *args, **kwargs):
     if gate_up is not None:
         gate, up = _with_slots(h, gate_up.linear(h).split_with_sizes(gate_up.sizes, dim=-1), gate_up.modules)
         # in place in the GEMM's output: the same two roundings as mul(silu(gate), up), no new tensor
-        m = mlp.down_proj(torch.nn.functional.silu(gate, inplace=True).mul_(up))
+        m = mlp.down_proj(fused_ops.silu_mul_(gate, up))
     else:
-        m = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h), inplace=True).mul_(mlp.up_proj(h)))
+        m = mlp.down_proj(fused_ops.silu_mul_(mlp.gate_proj(h), mlp.up_proj(h)))
     return torch.add(residual, m).unsqueeze(0)

@@ -245,6 +245,127 @@ static void micro_bf16_any(int mr, int kp, const uint16_t* a, int64_t lda, const
 enum { BNR = 48 };
 #endif
 
+/*
+ * The same panels on CPUs with AMX-BF16 (the OS granting the tile state): the panel layout is already AMX's
+ * B operand, 16 k pairs of 16 columns being a 1 KiB tile at a row stride of BNR pairs, so a 16-row tile of x
+ * (32 k, straight from its rows) times the panel's three column tiles is three TDPBF16PS. A thread takes its
+ * share of the panels in order and passes every 16-row tile of x over each (the panel stays in L2 from the first
+ * pass), prefetching its next panel into L2 in equal shares over the passes: at decode's 16-64 rows the weights
+ * stream from DRAM once, which is the whole cost. K past the last multiple of 32 (an even tail) is added to the
+ * tile sums with VDPBF16PS, then the fp32 sums + bias are rounded to bf16 once, as above. A row's sums do not
+ * depend on the other rows (an AMX row is its own dot products), so the batch-independence holds here too.
+ */
+#if HAVE_BF16_GEMM && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX_GEMM 1
+struct tile_config { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+static int amx_granted(void) { /* asked once: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) */
+    static int state = 0;  /* 0 unknown, 1 granted, -1 refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* tiles 0-2: C, rows x 16 fp32; 3: A, rows x 32 bf16 (x); 4-6: B, 16 k pairs x 16 columns (the panel) */
+static void amx_rows(int rows) {
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; ++t) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64;
+    for (int t = 4; t < 7; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* c[0:mr][0:BNR] = x[0:mr, 0:K] @ panel, fp32 (row stride BNR); the tile rows configured = mr; kb32 = K / 32 */
+static inline void amx_panel(const int mr, const uint16_t* x, const int64_t ldx, const uint16_t* w, const int kb32,
+                             const int kp, float* c, const char* pf, const int pf_lines) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    const char* pf_next = pf;
+    int pf_due = 0;
+    for (int b = 0; b < kb32; ++b) {
+        const uint16_t* wb = w + (size_t)b * 16 * BNR * 2;
+        _tile_loadd(3, x + 32 * b, ldx * 2);
+        _tile_loadd(4, wb, BNR * 4);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_loadd(5, wb + 32, BNR * 4);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_loadd(6, wb + 64, BNR * 4);
+        _tile_dpbf16ps(2, 3, 6);
+        if (pf != NULL)
+            for (pf_due += pf_lines; pf_due >= kb32; pf_due -= kb32, pf_next += 64) __builtin_prefetch(pf_next, 0, 2);
+    }
+    _tile_stored(0, c, BNR * 4);
+    _tile_stored(1, c + 16, BNR * 4);
+    _tile_stored(2, c + 32, BNR * 4);
+    for (int kk = 16 * kb32; kk < kp; ++kk) { /* the even tail of K */
+        __m512bh bv[BNV];
+        for (int v = 0; v < BNV; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(w + (size_t)kk * 2 * BNR + 32 * v);
+        for (int i = 0; i < mr; ++i) {
+            const __m512bh ai = (__m512bh)_mm512_set1_epi32(*(const pair_t*)(x + i * ldx + 2 * kk));
+            for (int v = 0; v < BNV; ++v)
+                _mm512_storeu_ps(c + i * BNR + 16 * v, _mm512_dpbf16_ps(_mm512_loadu_ps(c + i * BNR + 16 * v), ai, bv[v]));
+        }
+    }
+}
+
+static void amx_gemm(const uint16_t* x, int64_t ldx, const uint16_t* packed, const float* bias, uint16_t* y,
+                     int64_t ldy, int M, int N, int K, int num_threads) {
+    const int panels = (N + BNR - 1) / BNR, kp = K / 2, kb32 = K / 32;
+    const size_t panel_elems = (size_t)kp * BNR * 2;
+    const int lines = (int)(panel_elems * 2 / 64);
+    /* prefill: x in chunks of ~1 MiB of rows, so the rows a panel meets stay in L2 beside it */
+    int mc = (int)((1 << 20) / ((int64_t)K * 2)) / 16 * 16;
+    if (mc < 64) mc = 64;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int p_lo = (int)((int64_t)panels * t / nt), p_hi = (int)((int64_t)panels * (t + 1) / nt);
+        float c[16 * BNR] __attribute__((aligned(64)));
+        int configured = 0;
+        for (int m0 = 0; m0 < M; m0 += mc) {
+            const int m1 = M - m0 < mc ? M : m0 + mc, tiles = (m1 - m0 + 15) / 16;
+            for (int p = p_lo; p < p_hi; ++p) {
+                const int n0 = p * BNR, cols = N - n0 < BNR ? N - n0 : BNR;
+                const uint16_t* w = packed + (size_t)p * panel_elems;
+                const char* next = p + 1 < p_hi ? (const char*)(w + panel_elems) : NULL;
+                __mmask16 mask[BNV];
+                for (int v = 0; v < BNV; ++v) {
+                    const int r = cols - 16 * v;
+                    mask[v] = r >= 16 ? (__mmask16)0xffff : r <= 0 ? (__mmask16)0 : (__mmask16)((1u << r) - 1u);
+                }
+                for (int j = 0; j < tiles; ++j) {
+                    const int i0 = m0 + 16 * j, mr = m1 - i0 < 16 ? m1 - i0 : 16;
+                    if (mr != configured) amx_rows(mr), configured = mr;
+                    const int lo = (int)((int64_t)lines * j / tiles), hi = (int)((int64_t)lines * (j + 1) / tiles);
+                    amx_panel(mr, x + (size_t)i0 * ldx, ldx, w, kb32, kp, c, next ? next + (size_t)lo * 64 : NULL, hi - lo);
+                    for (int i = 0; i < mr; ++i)
+                        for (int v = 0; v < BNV; ++v) {
+                            __m512 s = _mm512_load_ps(c + i * BNR + 16 * v);
+                            if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask[v], bias + n0 + 16 * v));
+                            _mm256_mask_storeu_epi16(y + (size_t)(i0 + i) * ldy + n0 + 16 * v, mask[v], round_bf16(s));
+                        }
+                }
+            }
+        }
+        if (configured) _tile_release();
+    }
+}
+#else
+#define HAVE_AMX_GEMM 0
+#endif
+
+/* whether hfp_gemm_bf16 runs on AMX tiles here (this build has them, and the OS grants the tile state) */
+int hfp_gemm_bf16_amx(void) {
+#if HAVE_AMX_GEMM
+    return amx_granted();
+#else
+    return 0;
+#endif
+}
+
 /* whether this build has the bf16 GEMM (AVX-512 BF16), and its panel width */
 int hfp_gemm_bf16_ok(void) { return HAVE_BF16_GEMM; }
 int hfp_gemm_bf16_nr(void) { return BNR; }
@@ -276,6 +397,12 @@ int hfp_gemm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed, const 
 {
 #if HAVE_BF16_GEMM
     if (K % 2) return -1;
+#if HAVE_AMX_GEMM
+    if (amx_granted()) {
+        amx_gemm(x, ldx, packed, bias, y, ldy, M, N, K, num_threads);
+        return 0;
+    }
+#endif
     const int panels = (N + BNR - 1) / BNR, kp = K / 2;
     const size_t panel_elems = (size_t)kp * BNR * 2;
     const int mc = M <= MC_MAX ? M : MC;
