@@ -52,6 +52,7 @@ class GeneratorClients:
             made = [self._make_request(p, sp, None, prio, lora_request=lr)
                     for p, sp, prio, lr in zip(prompt_list, params_list, priorities, loras)]
             for request, state in made:
+                state.final_only = True  # read below, once finished: no output per step
                 self._admit(request, state, queue_outputs=True)
         ids = [state.request_id for _, state in made]
         states = [state for _, state in made]
