@@ -50,8 +50,8 @@ def _assert_silu_mul_is_torch_bitwise():
     up = torch.randn(64, 1024, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     both = torch.cat([gate, up], dim=1)
     want = torch.nn.functional.silu(gate.clone()).mul_(up)
-    got = fused_ops.LIBRARY.load()
-    got.hfp_silu_mul_bf16(both.data_ptr(), both.stride(0), both.data_ptr() + 1024 * 2, both.stride(0), 64, 1024, 2)
+    lib = fused_ops.LIBRARY.load()
+    lib.hfp_silu_mul_bf16(both.data_ptr(), both.stride(0), both.data_ptr() + 1024 * 2, both.stride(0), 64, 1024, 2)
     same = (both[:, :1024].view(torch.int16) == want.view(torch.int16)) | (both[:, :1024].isnan() & want.isnan())
     assert same.all(), f"{(~same).sum().item()} results differ, e.g. gate {gate[~same][:4].tolist()}"
     for rows, n in ((1, 7), (3, 40)):  # below and past one vector, through the Python entry point

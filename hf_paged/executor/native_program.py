@@ -435,8 +435,9 @@ class DecodeProgram:
                 raise _Unfit("decoder layers of different MLP widths")
             ops.append(gemm_op(gu_pack, gu_bias, Hn, hidden, GU))
             ops += delta_op([linear_of(getattr(mlp, n)) for n in GATE_UP], Hn, [GU[:, :inter], GU[:, inter:]])
-            if dtype == torch.bfloat16 and fused_ops.silu_mul_available():  # fused_ops.silu_mul_'s C pass
-                ops.append((norms.hfp_silu_mul_bf16, (
+            silu_mul = fused_ops.silu_mul_kernel(dtype)  # the fused forward's C pass, where it takes one
+            if silu_mul is not None:
+                ops.append((silu_mul, (
                     GU.data_ptr(), 2 * inter, GU.data_ptr() + inter * elem, 2 * inter, self._rows, inter, threads)))
             else:
                 ops.append((self._silu_mul, ()))

@@ -86,18 +86,28 @@ def argmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gate = silu(gate) * up`` in place, with torch's two roundings; one C pass for bf16 where its probe passes
-    (equal to torch's but for the last bit of a few in 10^5), torch's own ops otherwise (fp32 stays exactly the
-    stock model's). Returns ``gate``."""
-    if gate.dtype == torch.bfloat16 and silu_mul_available():
-        _rows(gate, "gate")
-        _rows(up, "up")
-        if up.shape != gate.shape or up.dtype != gate.dtype:
-            raise ValueError(f"up: expected {tuple(gate.shape)} {gate.dtype} like gate, got {tuple(up.shape)} {up.dtype}")
-        LIBRARY.load().hfp_silu_mul_bf16(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), gate.shape[0],
-                                         gate.shape[1], torch.get_num_threads())
-        return gate
-    return torch.nn.functional.silu(gate, inplace=True).mul_(up)
+    """``gate = silu(gate) * up`` in place, with torch's two roundings: one C pass where :func:`silu_mul_kernel`
+    gives one (bf16; torch's bits), torch's own ops otherwise (fp32 stays exactly the stock model's). Returns
+    ``gate``."""
+    kernel = silu_mul_kernel(gate.dtype)
+    if kernel is None:
+        return torch.nn.functional.silu(gate, inplace=True).mul_(up)
+    _rows(gate, "gate")
+    _rows(up, "up")
+    if up.shape != gate.shape or up.dtype != gate.dtype:
+        raise ValueError(f"up: expected {tuple(gate.shape)} {gate.dtype} like gate, got {tuple(up.shape)} {up.dtype}")
+    kernel(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), gate.shape[0], gate.shape[1],
+           torch.get_num_threads())
+    return gate
+
+
+def silu_mul_kernel(dtype: torch.dtype):
+    """The C function :func:`silu_mul_` calls for ``dtype`` (``hfp_silu_mul_bf16(gate, gate_stride, up, up_stride,
+    rows, n, threads)``, strides in elements), or None where torch's ops serve: not bf16, or the kernel does not
+    build or pass its probe here. The native decode program calls it directly, so both paths decide alike."""
+    if dtype != torch.bfloat16 or not silu_mul_available():
+        return None
+    return LIBRARY.load().hfp_silu_mul_bf16
 
 
 def silu_mul_available() -> bool:
