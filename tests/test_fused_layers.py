@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import time
 
 import pytest
 import torch
@@ -57,6 +58,19 @@ def _assert_silu_mul_is_torch_bitwise():
     for rows, n in ((1, 7), (3, 40)):  # below and past one vector, through the Python entry point
         g, u = (torch.randn(rows, n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16) for _ in range(2))
         assert torch.equal(fused_ops.silu_mul_(g.clone(), u), torch.nn.functional.silu(g).mul_(u))
+
+
+def test_silu_mul_takes_the_faster_of_its_two_paths(monkeypatch):
+    """The C pass is used only where it was timed faster than torch's ops here; either way torch's bits."""
+    assert fused_ops.silu_mul_available(), probes.probe(fused_ops.PROBE_SILU, torch.bfloat16).reason
+    g, u = (torch.randn(4, 300, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in (1, 2))
+    want = torch.nn.functional.silu(g).mul_(u)
+    for faster in (True, False):
+        monkeypatch.setitem(fused_ops._SILU_FASTER, torch.bfloat16, faster)
+        assert (fused_ops.silu_mul_kernel(torch.bfloat16) is not None) == faster
+        assert torch.equal(fused_ops.silu_mul_(g.clone(), u), want)
+    slow = lambda *args: time.sleep(0.002)  # noqa: E731
+    assert fused_ops._silu_is_faster(slow, torch.bfloat16, calls=2) is False
 
 
 def test_silu_mul_keeps_torch_for_fp32_and_refuses_bad_tensors():

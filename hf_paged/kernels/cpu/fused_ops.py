@@ -10,6 +10,7 @@ and :func:`available` is False where the build or the probe fails. Used by :mod:
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
 
@@ -89,13 +90,14 @@ def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gate = silu(gate) * up`` in place, with torch's two roundings: one C pass where :func:`silu_mul_kernel`
     gives one (bf16; torch's bits), torch's own ops otherwise (fp32 stays exactly the stock model's). Returns
     ``gate``."""
+    if gate.dtype == torch.bfloat16:  # the kernel's inputs, checked whichever of the two runs here
+        _rows(gate, "gate")
+        _rows(up, "up")
+        if up.shape != gate.shape or up.dtype != gate.dtype:
+            raise ValueError(f"up: expected {tuple(gate.shape)} {gate.dtype} like gate, got {tuple(up.shape)} {up.dtype}")
     kernel = silu_mul_kernel(gate.dtype)
     if kernel is None:
         return torch.nn.functional.silu(gate, inplace=True).mul_(up)
-    _rows(gate, "gate")
-    _rows(up, "up")
-    if up.shape != gate.shape or up.dtype != gate.dtype:
-        raise ValueError(f"up: expected {tuple(gate.shape)} {gate.dtype} like gate, got {tuple(up.shape)} {up.dtype}")
     kernel(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), gate.shape[0], gate.shape[1],
            torch.get_num_threads())
     return gate
@@ -104,10 +106,35 @@ def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def silu_mul_kernel(dtype: torch.dtype):
     """The C function :func:`silu_mul_` calls for ``dtype`` (``hfp_silu_mul_bf16(gate, gate_stride, up, up_stride,
     rows, n, threads)``, strides in elements), or None where torch's ops serve: not bf16, or the kernel does not
-    build or pass its probe here. The native decode program calls it directly, so both paths decide alike."""
+    build or pass its probe here, or is not the faster of the two on this CPU (timed once: both give torch's bits;
+    on AVX-512/AMX hosts the C pass took 60 us where torch took 105 at 64 x 1536, on a Zen 3 236 against 150). The
+    native decode program calls it directly, so both paths decide alike."""
     if dtype != torch.bfloat16 or not silu_mul_available():
         return None
-    return LIBRARY.load().hfp_silu_mul_bf16
+    if _SILU_FASTER.get(dtype) is None:
+        _SILU_FASTER[dtype] = _silu_is_faster(LIBRARY.load().hfp_silu_mul_bf16, dtype)
+    return LIBRARY.load().hfp_silu_mul_bf16 if _SILU_FASTER[dtype] else None
+
+
+_SILU_FASTER: dict[torch.dtype, bool] = {}
+
+
+def _silu_is_faster(kernel, dtype: torch.dtype, rows: int = 64, n: int = 1536, calls: int = 20) -> bool:
+    """Whether ``kernel`` beats torch's silu-then-mul at one decode step's MLP shape: the best of three rounds of
+    ``calls`` calls each, the two taking turns (a few ms, once per process)."""
+    gate = (torch.randn(rows, n, generator=torch.Generator().manual_seed(3)) * 0.1).to(dtype)
+    up = torch.ones(rows, n, dtype=dtype)  # silu of a small gate times one: the values stay bounded
+    threads = torch.get_num_threads()
+    ours = lambda: kernel(gate.data_ptr(), n, up.data_ptr(), n, rows, n, threads)  # noqa: E731
+    theirs = lambda: torch.nn.functional.silu(gate, inplace=True).mul_(up)  # noqa: E731
+    best = {ours: float("inf"), theirs: float("inf")}
+    for _ in range(3):
+        for fn in best:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[fn] = min(best[fn], time.perf_counter() - start)
+    return best[ours] < best[theirs]
 
 
 def silu_mul_available() -> bool:
@@ -135,6 +162,7 @@ def reset() -> None:
     probes.reset(PROBE)
     probes.reset(PROBE_ARGMAX)
     probes.reset(PROBE_SILU)
+    _SILU_FASTER.clear()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
