@@ -125,8 +125,9 @@ def test_rows8_kernel_equals_rounded_x_times_dequantized_w_for_every_batch(fmt, 
     """The interleaved int8 kernel (``csrc/quant_q8_rows8.h``: int16 sums for the 4-bit formats, signed
     VPMADDUBSW pairs for Q8_0 and int8 with its row scales) computes quantize_activations(x) @ dequant(W)^T
     (+ bias) up to fp32 rounding, for every row tail of its 4-row tiles and a last group of fewer than 8 output
-    rows (37); and each row's result is the same whatever rows share its batch (below 8 rows the scales are read
-    from the fp16 copy in the tile, from 8 rows converted once per group: the same numbers)."""
+    rows (37); and each row's result is the same whatever rows share its batch (below 8 rows each quad of
+    activations is broadcast from the rounded rows, from 8 rows read from the tile's expanded copy: the same
+    numbers)."""
     native = _load(Q8_LIBS, lib)
     if not native.hfq8i_available():
         pytest.skip("build without AVX2")
@@ -147,6 +148,32 @@ def test_rows8_kernel_equals_rounded_x_times_dequantized_w_for_every_batch(fmt, 
                           torch.cat([layer.bias, layer.bias]).detach(), "int8")  # as the program's q/k/v groups
     both = grouped._call(native.hfq8i_linear, x, weight=_rows8(native, grouped))
     assert torch.equal(both[:, :n], full) and torch.equal(both[:, n:], full)
+
+
+@pytest.mark.parametrize("lib", Q8_LIBS)
+@pytest.mark.parametrize("k", [96, 800])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_rows8_kernel_walks_chunks_of_groups_and_any_k_alike(fmt, k, lib):
+    """A batch walks each thread's share of the 8-row groups in chunks of 32 (33 groups: a chunk and one more,
+    split over 1 and 2 threads); K = 800 is past the size whose 4-row tile is expanded (the quads are broadcast
+    at every batch there). Every row as in a one-row call, the whole as the rounded x times the dequantized W."""
+    native = _load(Q8_LIBS, lib)
+    if not native.hfq8i_available():
+        pytest.skip("build without AVX2")
+    layer, ref = _case(fmt, n=33 * 8 - 3, k=k, seed=k)
+    copy = _rows8(native, layer)
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(k + 1))
+    full = layer._call(native.hfq8i_linear, x, weight=copy)
+    want = F.linear(quantize_activations(x).double(), ref, layer.bias.double())
+    torch.testing.assert_close(full.double(), want, atol=1e-4, rtol=1e-5)
+    for i in (0, 5, 12):
+        assert torch.equal(full[i : i + 1], layer._call(native.hfq8i_linear, x[i : i + 1], weight=copy))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(full, layer._call(native.hfq8i_linear, x, weight=copy))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_layer_picks_one_int8_kernel_for_every_batch_and_follows_weight_changes(monkeypatch):

@@ -12,7 +12,7 @@
  * outputs (no horizontal sums).
  *
  * Layout, per group of 8 output rows g (groups in order): the scales of the group's nb blocks as the fp16 values
- * of the GGUF blocks (converted to fp32 once per group and call: exact), 8 per block, one per row, padded to a
+ * of the GGUF blocks (converted to fp32 where a tile uses them: exact), 8 per block, one per row, padded to a
  * multiple of 32 bytes; then the nb blocks of weights:
  * - Q4_0/Q4_1: d[nb][8], then (Q4_1) m[nb][8]; nb x 128 bytes of nibbles: 144 or 160 bytes per block of 8 rows,
  *   the GGUF bytes (Q4_0's m = -8 d is made in fp32, as (q - 8) d = q d - 8 d). Byte 32 L + 4 j + c of a block
@@ -88,12 +88,29 @@ int hfq8i_repack(const uint8_t* w, int fmt, int N, int K, uint8_t* out, int num_
 }
 
 #if HAVE_ROWS8
-enum { MRI = 4 };
+enum { MRI = 4, CG = 32 }; /* rows per tile; groups of 8 outputs per chunk of a batch */
 
 static inline __m256i bcast4(const int8_t* p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
+}
+
+/* The 4 activation bytes of quad t (0..7) of block b of tile row i, in every lane: loaded from the tile's expanded
+ * copy xe (expand_tile: each quad stored 8 times) where there is one, else broadcast from xq. On Zen 3 a
+ * broadcast from memory takes a vector pipe like the multiply-adds (a plain load does not): with ~3 vector
+ * operations issued per cycle the 4-row tile spent a quarter of them broadcasting. */
+static inline __m256i xquad(const int8_t* xq, const int8_t* xe, int64_t K, int nb, int i, int b, int t) {
+    if (xe) return _mm256_load_si256((const __m256i*)(xe + (((size_t)i * nb + b) * 8 + t) * 32));
+    return bcast4(xq + i * K + b * QK + 4 * t);
+}
+
+/* xe = the rows' activation quads, each stored 8 times (32 bytes, 32-aligned): xquad's layout for mr rows */
+static void expand_tile(const int8_t* xq, int64_t K, int mr, int8_t* xe) {
+    const int64_t quads = K / 4;
+    for (int i = 0; i < mr; ++i)
+        for (int64_t q = 0; q < quads; ++q)
+            _mm256_store_si256((__m256i*)(xe + ((size_t)i * quads + q) * 32), bcast4(xq + i * K + 4 * q));
 }
 
 /* v as it is, in a register: an empty asm the compiler cannot see through. Without it GCC re-associates each
@@ -104,30 +121,20 @@ static inline __m256i kept(__m256i v) {
     return v;
 }
 
-/* block b's scales as fp32 (exact): d, and for 4-bit weights m, of the group's 8 rows; from the fp16 copy dg, or
- * where sc is not NULL from its fp32 conversion (group_scales: once per group, for batches of several tiles) */
-static inline __m256 scale_d(const uint8_t* dg, const float* sc, int b) {
-    return sc ? _mm256_loadu_ps(sc + 16 * b) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dg + (size_t)b * 16)));
+/* block b's scales as fp32 (exact): d, and for 4-bit weights m, of the group's 8 rows, from the fp16 copy dg */
+static inline __m256 scale_d(const uint8_t* dg, int b) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dg + (size_t)b * 16)));
 }
 
-static inline __m256 scale_m(int fmt, int nb, const uint8_t* dg, const float* sc, int b, __m256 d) {
-    if (sc) return _mm256_loadu_ps(sc + 16 * b + 8);
+static inline __m256 scale_m(int fmt, int nb, const uint8_t* dg, int b, __m256 d) {
     if (fmt == FMT_Q4_1) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dg + ((size_t)nb + b) * 16)));
     return _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)); /* Q4_0 */
 }
 
-static void group_scales(int fmt, int nb, const uint8_t* dg, float* sc) {
-    for (int b = 0; b < nb; ++b) {
-        const __m256 d = scale_d(dg, NULL, b);
-        _mm256_storeu_ps(sc + 16 * b, d);
-        if (!wide(fmt)) _mm256_storeu_ps(sc + 16 * b + 8, scale_m(fmt, nb, dg, NULL, b, d));
-    }
-}
-
-/* out[i] = the 8 outputs of group (wg, dg) for activation rows i < mr (without bias); sc: see scale_d */
+/* out[i] = the 8 outputs of group (wg, dg) for activation rows i < mr (without bias); xe: see xquad */
 static inline __attribute__((always_inline)) void tile_rows8(
-    const int mr, const int fmt, const int nb, const uint8_t* wg, const uint8_t* dg, const float* sc,
-    const int8_t* xq, const int64_t K, const float* xd, const float* xs, __m256 out[MRI])
+    const int mr, const int fmt, const int nb, const uint8_t* wg, const uint8_t* dg,
+    const int8_t* xq, const int8_t* xe, const int64_t K, const float* xd, const float* xs, __m256 out[MRI])
 {
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 acc[MRI];
@@ -140,12 +147,11 @@ static inline __attribute__((always_inline)) void tile_rows8(
             const __m256i raw = _mm256_loadu_si256((const __m256i*)(rec + 32 * L));
             const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
             for (int i = 0; i < mr; ++i) {
-                const int8_t* xb = xq + i * K + b * QK;
-                s16[i] = kept(_mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * L))));
-                s16[i] = kept(_mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * L))));
+                s16[i] = kept(_mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, xquad(xq, xe, K, nb, i, b, L))));
+                s16[i] = kept(_mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, xquad(xq, xe, K, nb, i, b, 4 + L))));
             }
         }
-        const __m256 d = scale_d(dg, sc, b), m = scale_m(fmt, nb, dg, sc, b, d);
+        const __m256 d = scale_d(dg, b), m = scale_m(fmt, nb, dg, b, d);
         for (int i = 0; i < mr; ++i) {
             const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones));
             acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xd[i * nb + b])), acc[i]);
@@ -157,8 +163,8 @@ static inline __attribute__((always_inline)) void tile_rows8(
 
 /* the same for 8-bit weights (Q8_0, INT8): out[i] = sum over blocks of d_w * d_x * (integer dot) */
 static inline __attribute__((always_inline)) void tile_rows8_wide(
-    const int mr, const int nb, const uint8_t* wg, const uint8_t* dg, const float* sc, const int8_t* xq,
-    const int64_t K, const float* xd, __m256 out[MRI])
+    const int mr, const int nb, const uint8_t* wg, const uint8_t* dg, const int8_t* xq,
+    const int8_t* xe, const int64_t K, const float* xd, __m256 out[MRI])
 {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MRI];
@@ -170,11 +176,11 @@ static inline __attribute__((always_inline)) void tile_rows8_wide(
         for (int t = 0; t < 8; ++t) {
             const __m256i w = _mm256_loadu_si256((const __m256i*)(rec + 32 * t)), u = _mm256_abs_epi8(w);
             for (int i = 0; i < mr; ++i) {
-                const __m256i sx = _mm256_sign_epi8(bcast4(xq + i * K + b * QK + 4 * t), w);
+                const __m256i sx = _mm256_sign_epi8(xquad(xq, xe, K, nb, i, b, t), w);
                 s32[i] = kept(_mm256_add_epi32(s32[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, sx), ones)));
             }
         }
-        const __m256 d = scale_d(dg, sc, b);
+        const __m256 d = scale_d(dg, b);
         for (int i = 0; i < mr; ++i)
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]), _mm256_mul_ps(d, _mm256_set1_ps(xd[i * nb + b])),
                                      acc[i]);
@@ -182,19 +188,19 @@ static inline __attribute__((always_inline)) void tile_rows8_wide(
     for (int i = 0; i < mr; ++i) out[i] = acc[i];
 }
 
-/* the tile of mr rows: scales from sc (scratch) or, with sc NULL, from the copy (the compiler makes both) */
-static void tile_rows8_any(int fmt, int mr, int nb, const uint8_t* wg, const uint8_t* dg, const float* sc,
-                           const int8_t* xq, int64_t K, const float* xd, const float* xs, __m256 out[MRI]) {
-#define TILE(R, F, S)                                                                                   \
-    if (wide(F)) tile_rows8_wide(R, nb, wg, dg, S, xq, K, xd, out);                                      \
-    else tile_rows8(R, F, nb, wg, dg, S, xq, K, xd, xs, out);
-#define TILE_SC(R, F) if (sc) { TILE(R, F, sc) } else { TILE(R, F, NULL) }
+/* the tile of mr rows: activations from the expanded copy xe or (NULL) broadcast from xq (the compiler makes both) */
+static void tile_rows8_any(int fmt, int mr, int nb, const uint8_t* wg, const uint8_t* dg, const int8_t* xq,
+                           const int8_t* xe, int64_t K, const float* xd, const float* xs, __m256 out[MRI]) {
+#define TILE(R, F, E)                                                                                   \
+    if (wide(F)) tile_rows8_wide(R, nb, wg, dg, xq, E, K, xd, out);                                      \
+    else tile_rows8(R, F, nb, wg, dg, xq, E, K, xd, xs, out);
+#define TILE_XE(R, F) if (xe) { TILE(R, F, xe) } else { TILE(R, F, NULL) }
 #define TILE_MR(F)                                                                                      \
     switch (mr) {                                                                                       \
-    case 4: TILE_SC(4, F) break;                                                                        \
-    case 3: TILE_SC(3, F) break;                                                                        \
-    case 2: TILE_SC(2, F) break;                                                                        \
-    default: TILE_SC(1, F) break;                                                                       \
+    case 4: TILE_XE(4, F) break;                                                                        \
+    case 3: TILE_XE(3, F) break;                                                                        \
+    case 2: TILE_XE(2, F) break;                                                                        \
+    default: TILE_XE(1, F) break;                                                                       \
     }
     switch (fmt) {
     case FMT_Q4_0: TILE_MR(FMT_Q4_0) break;
@@ -202,7 +208,7 @@ static void tile_rows8_any(int fmt, int mr, int nb, const uint8_t* wg, const uin
     default: TILE_MR(FMT_Q8_0) break; /* Q8_0 and INT8 run the same code */
     }
 #undef TILE_MR
-#undef TILE_SC
+#undef TILE_XE
 #undef TILE
 }
 #endif
@@ -226,51 +232,52 @@ int hfq8i_linear(const float* x, int64_t ldx, const uint8_t* wi, int fmt, const 
     }
     float* xs = xd + (size_t)M * nb;
     hfq8_quantize(x, ldx, M, K, xq, xd, xs, M >= 64 ? num_threads : 1);
+    /* a batch of several tiles: each thread walks its groups in chunks of CG (their weights stay in L2) and, per
+     * chunk, the 4-row tiles in turn, each expanded once (xquad) and read from L1 by the chunk's groups. Below
+     * two tiles, where an expanded tile outgrows L1 (K > 768: 24 KiB; the default model's down_proj, K = 1536,
+     * was 1.13x slower expanded on a Zen 3) and for 8-bit weights (their tile loads twice the bytes per quad; the
+     * Q8_0 LM head was 1.06x slower expanded), the rows broadcast their quads instead. On a Zen 3 at 64 rows the
+     * 4-bit linears with K = 576 went from 1.72-1.84x to 1.92-2.06x our fp32 GEMM (bench.quant_kernel). */
+    const int expand = M >= 2 * MRI && (size_t)MRI * K * 8 <= 24576 && !wide(fmt);
     int rc = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float* sc = malloc(sizeof(float) * 16 * (size_t)nb);
-        if (sc == NULL) {
+        int8_t* xe = expand ? aligned_alloc(32, (size_t)MRI * K * 8) : NULL;
+        if (expand && xe == NULL) {
 #pragma omp atomic write
             rc = -2;
         }
-#pragma omp for schedule(static)
-        for (int g = 0; g < groups; ++g) {
-            if (sc == NULL) continue;
-            const int n0 = g * IR, nr = N - n0 < IR ? N - n0 : IR;
-            const uint8_t* dg = wi + (size_t)g * gbytes(fmt, nb), *wg = dg + sbytes(fmt, nb);
-            const int convert = M >= 2 * MRI; /* a batch of several tiles converts the scales once */
-            if (convert) group_scales(fmt, nb, dg, sc);
-            __m256 b8 = _mm256_setzero_ps(), s8 = _mm256_set1_ps(1.0f);
-            if (bias != NULL) {
-                float tmp[IR] = {0};
-                memcpy(tmp, bias + n0, sizeof(float) * nr);
-                b8 = _mm256_loadu_ps(tmp);
-            }
-            if (fmt == FMT_INT8) {
-                float tmp[IR] = {0};
-                memcpy(tmp, scales + n0, sizeof(float) * nr);
-                s8 = _mm256_loadu_ps(tmp);
-            }
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        const int g0 = (int)((int64_t)groups * tid / nth), g1 = (int)((int64_t)groups * (tid + 1) / nth);
+        for (int c0 = g0; c0 < g1 && (xe != NULL || !expand); c0 += CG) {
+            const int c1 = c0 + CG < g1 ? c0 + CG : g1;
             for (int m0 = 0; m0 < M; m0 += MRI) {
                 const int mr = M - m0 < MRI ? M - m0 : MRI;
-                __m256 out[MRI];
-                tile_rows8_any(fmt, mr, nb, wg, dg, convert ? sc : NULL, xq + (size_t)m0 * K, K,
-                               xd + (size_t)m0 * nb, xs + (size_t)m0 * nb, out);
-                for (int i = 0; i < mr; ++i) {
+                if (expand) expand_tile(xq + (size_t)m0 * K, K, mr, xe);
+                for (int g = c0; g < c1; ++g) {
+                    const int n0 = g * IR, nr = N - n0 < IR ? N - n0 : IR;
+                    const uint8_t* dg = wi + (size_t)g * gbytes(fmt, nb), *wg = dg + sbytes(fmt, nb);
+                    __m256 out[MRI];
+                    tile_rows8_any(fmt, mr, nb, wg, dg, xq + (size_t)m0 * K, xe, K, xd + (size_t)m0 * nb,
+                                   xs + (size_t)m0 * nb, out);
                     /* as hfq8_linear: out * s + bias in one rounding (s = 1 except INT8's row scale) */
-                    const __m256 v = _mm256_fmadd_ps(out[i], s8, b8);
-                    float* yr = y + (m0 + i) * ldy + n0;
-                    if (nr == IR) _mm256_storeu_ps(yr, v);
-                    else {
-                        float tmp[IR];
-                        _mm256_storeu_ps(tmp, v);
-                        memcpy(yr, tmp, sizeof(float) * nr);
+                    float b8[IR] = {0}, s8[IR] = {1, 1, 1, 1, 1, 1, 1, 1};
+                    if (bias != NULL) memcpy(b8, bias + n0, sizeof(float) * nr);
+                    if (fmt == FMT_INT8) memcpy(s8, scales + n0, sizeof(float) * nr);
+                    for (int i = 0; i < mr; ++i) {
+                        const __m256 v = _mm256_fmadd_ps(out[i], _mm256_loadu_ps(s8), _mm256_loadu_ps(b8));
+                        float* yr = y + (m0 + i) * ldy + n0;
+                        if (nr == IR) _mm256_storeu_ps(yr, v);
+                        else {
+                            float tmp[IR];
+                            _mm256_storeu_ps(tmp, v);
+                            memcpy(yr, tmp, sizeof(float) * nr);
+                        }
                     }
                 }
             }
         }
-        free(sc);
+        free(xe);
     }
     free(xq);
     free(xd);
