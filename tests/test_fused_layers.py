@@ -60,6 +60,27 @@ def _assert_silu_mul_is_torch_bitwise():
         assert torch.equal(fused_ops.silu_mul_(g.clone(), u), torch.nn.functional.silu(g).mul_(u))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_gives_transformers_bits(dtype):
+    """The C RMSNorm (and its residual add) sums the squares in torch's order for torch's vector width here:
+    bit for bit transformers' LlamaRMSNorm, for rows shorter than a vector, with tails, and long enough for
+    torch's cascade of partial sums, one row or many."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    assert fused_ops.rms_norm_exact(dtype), probes.probe(fused_ops.PROBE_NORM_EXACT, dtype).reason
+    g = torch.Generator().manual_seed(7)
+    for n in (5, 8, 31, 100, 576, 2048, 2049, 8200):
+        norm = LlamaRMSNorm(n, eps=1e-5)
+        norm.weight.data = torch.randn(n, generator=g).to(dtype)
+        for rows in (1, 3, 66):
+            x, res = ((torch.randn(rows, n, generator=g) * 3).to(dtype) for _ in range(2))
+            with torch.no_grad():
+                out, total = fused_ops.rms_norm(x, norm.weight, norm.variance_epsilon, residual=res)
+                assert torch.equal(total, x + res)
+                assert torch.equal(out, norm((x + res)[None])[0]), (n, rows)
+                assert torch.equal(fused_ops.rms_norm(x, norm.weight, norm.variance_epsilon)[0], norm(x)), (n, rows)
+
+
 def test_silu_mul_takes_the_faster_of_its_two_paths(monkeypatch):
     """The C pass is used only where it was timed faster than torch's ops here; either way torch's bits."""
     assert fused_ops.silu_mul_available(), probes.probe(fused_ops.PROBE_SILU, torch.bfloat16).reason
@@ -71,6 +92,19 @@ def test_silu_mul_takes_the_faster_of_its_two_paths(monkeypatch):
         assert torch.equal(fused_ops.silu_mul_(g.clone(), u), want)
     slow = lambda *args: time.sleep(0.002)  # noqa: E731
     assert fused_ops._silu_is_faster(slow, torch.bfloat16, calls=2) is False
+    # a warm start reads the choice from the tuning store instead of timing the kernel again
+    from hf_paged.kernels.cpu import tuning_store
+
+    asked, stored = [], []
+    monkeypatch.setattr(tuning_store, "put", lambda key, timings: stored.append((key, timings)))
+    for ours, theirs in ((1e-5, 2e-5), (2e-5, 1e-5)):
+        monkeypatch.setattr(tuning_store, "get", lambda key: asked.append(key) or {"ours": ours, "torch": theirs})
+        never = lambda *args: pytest.fail("timed although the store had the timings")  # noqa: E731
+        assert fused_ops._silu_is_faster(never, torch.bfloat16) is (ours < theirs)
+    assert asked == ["silu-mul:bfloat16:64x1536"] * 2 and stored == []
+    monkeypatch.setattr(tuning_store, "get", lambda key: None)
+    assert fused_ops._silu_is_faster(slow, torch.bfloat16, calls=2) is False
+    assert [key for key, _ in stored] == ["silu-mul:bfloat16:64x1536"] and set(stored[0][1]) == {"ours", "torch"}
 
 
 def test_silu_mul_keeps_torch_for_fp32_and_refuses_bad_tensors():

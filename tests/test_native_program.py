@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from hf_paged import PagedGenerator, SamplingParams
-from hf_paged.kernels.cpu import packed_linear
+from hf_paged.kernels.cpu import fused_ops, packed_linear
 from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM
 from tests.helpers import make_model, make_prompts, stock_greedy
 
@@ -82,13 +82,36 @@ def test_program_prefills_short_prompts_sampling_their_last_rows_only():
     with PagedGenerator(model, num_blocks=32, max_num_seqs=3, **NATIVE) as engine:
         program = engine.executor.runner.fast
         partial = []
-        final_norm = program._final_norm
-        program._final_norm = lambda: partial.append(program._index is not None) or final_norm()
+        # the sampled rows are picked after the final norm's C pass, or by the torch norm where that is not exact
+        name = "_gather_sampled" if fused_ops.rms_norm_exact(torch.float32) else "_final_norm"
+        final_norm = getattr(program, name)
+        setattr(program, name, lambda: partial.append(program._index is not None) or final_norm())
         program._record(program.capacity, program.logits_capacity)  # the list picks the wrapped method up
         outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
     assert partial[0] and not any(partial[1:]) and len(partial) == program.num_runs == 6
     for prompt, out in zip(prompts, outs):
         assert list(out.outputs[0].token_ids) == stock_greedy(model, prompt, 6)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_final_norm_is_a_c_pass_only_where_it_gives_the_modules_bits(monkeypatch, exact):
+    """Where the C RMSNorm gives torch's bits (probed), the final norm is one C pass over every row (the sampled
+    rows gathered after it); elsewhere transformers' module runs. Either way the eager engine's logits, bitwise."""
+    assert fused_ops.rms_norm_exact(torch.float32), "the RMSNorm kernel should sum in torch's order on x86 hosts"
+    monkeypatch.setattr(fused_ops, "rms_norm_exact", lambda dtype: exact)
+    model = make_model("llama", seed=21)
+    prompts = make_prompts(3, lengths=[4, 11, 7], seed=12)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
+    results = []
+    for eager in (False, True):
+        with PagedGenerator(model, num_blocks=32, max_num_seqs=3, enforce_eager=eager, **NATIVE) as engine:
+            if not eager:
+                program = engine.executor.runner.fast
+                names = {getattr(fn, "__name__", "") for fn, _ in program._ops}
+                assert ("_gather_sampled" in names) == exact and ("_final_norm" in names) != exact
+            outs = engine.generate(prompts, params, use_tqdm=False)
+            results.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
+    assert results[0] == results[1]
 
 
 def test_program_verifies_drafts():
@@ -259,3 +282,27 @@ def test_close_lets_the_kv_pool_go():
     gc.collect()
     assert engine.executor.runner.fast is None and pool() is None and buffer() is None
 
+
+
+def test_bound_c_calls_convert_their_arguments_once_and_read_the_cells_at_each_call():
+    """program_ops.bound: a C function's Python ints and floats become ctypes values once, the step's cells stay
+    cells (read when called), other ops pass as they are; the twin keeps the address, the name and the restype."""
+    import ctypes
+
+    from hf_paged.executor.program_ops import bound
+
+    lib = fused_ops.LIBRARY.load()
+    x, w = torch.randn(4, 40), torch.rand(40) + 0.5
+    out = torch.zeros(4, 40)
+    rows = ctypes.c_int(1)
+    args = (x.data_ptr(), 40, None, 0, None, 0, w.data_ptr(), out.data_ptr(), 40, rows, 40, 1e-5, 0,
+            fused_ops.torch_sum_lanes(), 1)
+    python_op = (lambda: None, ())
+    (fn, converted), same = bound([(lib.hfp_rms_norm, args), python_op])
+    assert same[0] is python_op[0] and fn.__name__ == "hfp_rms_norm" and fn.argtypes is None and fn.restype is None
+    assert converted[9] is rows and isinstance(converted[11], ctypes.c_float) and converted[2].value is None
+    want = fused_ops.rms_norm(x, w, 1e-5)[0]
+    assert fn(*converted) is None and torch.equal(out[:1], want[:1]) and not out[1:].any()
+    rows.value = 3  # the next step's row count: the same bound call reads it
+    fn(*converted)
+    assert torch.equal(out[:3], want[:3]) and not out[3:].any()

@@ -58,10 +58,10 @@ class BlockTables:
 
     def gather(self, seq_ids: list[int], width: int) -> torch.Tensor:
         """``[len(seq_ids), width]`` int32: the sequences' tables, in this order, padded with 0."""
-        rows = torch.tensor([self._rows.get(s, -1) for s in seq_ids], dtype=torch.long)
-        if bool((rows < 0).any()):
-            raise KeyError(f"no block table for sequences {[s for s, r in zip(seq_ids, rows.tolist()) if r < 0]}")
-        return self._tensor[:, :width].index_select(0, rows)
+        rows = [self._rows.get(s, -1) for s in seq_ids]
+        if min(rows, default=0) < 0:
+            raise KeyError(f"no block table for sequences {[s for s, r in zip(seq_ids, rows) if r < 0]}")
+        return self._tensor[:, :width].index_select(0, torch.tensor(rows, dtype=torch.long))
 
     def _row(self, seq_id: int) -> int:
         row = self._rows.get(seq_id)

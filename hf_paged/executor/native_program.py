@@ -42,12 +42,14 @@ from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops
 from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
 from hf_paged.executor.quant_program import QuantEmbedding, QuantLinear, QuantOp, quant_group
 from hf_paged.model.layers.parallel import linear_of
-from hf_paged.executor.program_ops import Copy as _Copy, Finish as _Finish, Linear as _Linear, lora_delta_ops
+from hf_paged.executor.program_ops import Copy as _Copy, Finish as _Finish, Linear as _Linear, bound, lora_delta_ops
 from hf_paged.lora.hooks import hook_of as lora_hook
 
 logger = logging.getLogger(__name__)
 
 _MIN_ROWS = 16
+# torch sums a row of fewer elements in one pass (below its grain size), in the order the C RMSNorm follows
+_ONE_PASS_SUM = 32768
 
 
 def _seen(owner: dict, key: str) -> tuple:
@@ -358,7 +360,7 @@ class DecodeProgram:
             return norms.hfp_rms_norm, (
                 x.data_ptr(), x.shape[1], 0 if residual is None else residual.data_ptr(), hidden,
                 0 if total is None else total.data_ptr(), hidden, norm.weight.data_ptr(), out.data_ptr(), hidden,
-                self._rows, hidden, float(norm.variance_epsilon), dt, threads,
+                self._rows, hidden, float(norm.variance_epsilon), dt, fused_ops.torch_sum_lanes(), threads,
             )
 
         group0 = lambda parent, names: quant_group(parent, names) or (packing and packing.group(parent, names))  # noqa: E731
@@ -442,7 +444,12 @@ class DecodeProgram:
             else:
                 ops.append((self._silu_mul, ()))
             ops.extend(linear_ops(mlp.down_proj, GU, 2 * inter, M))
-        ops.append((self._final_norm, ()))
+        final = base.norm
+        if fused_ops.rms_norm_exact(dtype) and hidden < _ONE_PASS_SUM:  # the C pass gives the torch module's bits
+            ops.append(norm_op(final, R, Hn, residual=M, total=X))
+            ops.append((self._gather_sampled, ()))
+        else:
+            ops.append((self._final_norm, ()))
         if len(layers) - 1 in caps:  # the final norm's pass left the last layer's output in X
             ops.append((_Copy(X, caps[len(layers) - 1], self._rows), ()))
         head_gemm = gemm_op(*pack_of(head), Hn, hidden, local, rows=self._sampled)
@@ -458,7 +465,8 @@ class DecodeProgram:
         self._logits, self._caps = logits, caps
         self._head_op = next(i for i, op in enumerate(base_ops) if op is head_gemm)
         self._lora_head_op = next(i for i, op in enumerate(ops) if op is head_gemm)
-        self._ops, self._lora_ops, self._lora_checks = base_ops, ops if deltas else base_ops, lora_checks
+        base_ops = bound(base_ops)  # the C calls' arguments converted once
+        self._ops, self._lora_ops, self._lora_checks = base_ops, bound(ops) if deltas else base_ops, lora_checks
         self._scalars, self._groups, self._keep = scalars, groups, keep
         self._same_objects = [entry[:3] for entry in seen if entry[4] is None]
         self._same_tensors = [entry for entry in seen if entry[4] is not None]
@@ -467,9 +475,14 @@ class DecodeProgram:
         self.head_dim, self.intermediate, self.threads = D, inter, threads
         self.capacity, self.logits_capacity = capacity, logits_capacity
 
+    def _gather_sampled(self) -> None:
+        # the final norm ran on every row: the sampled rows' go to the front, where the LM head reads them
+        if self._index is not None:
+            self._h[: self._index.shape[0]].copy_(self._h[: self._rows.value].index_select(0, self._index))
+
     def _final_norm(self) -> None:
-        # as the eager forward: the last residual add, then transformers' own norm module (its torch reduction,
-        # not the C kernel's: in fp32 the two sums round differently), on the sampled rows only
+        # where the C pass cannot give its bits (fused_ops.rms_norm_exact): as the eager forward, the last
+        # residual add, then transformers' own norm module, on the sampled rows only
         n = self._rows.value
         total = torch.add(self._r[:n], self._m[:n], out=self._x[:n])
         if self._index is not None:

@@ -62,12 +62,13 @@ def _bf16_mode(model: torch.nn.Module) -> bool:
 
 def skipped_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules the eager fused forward calls (running their hooks) and the program does not call: the model
-    and its base, the embedding, the LM head, the decoder layers and their o/down projections. (The rotary
-    embedding and the final norm the program calls; the fused forward calls none of the others.)"""
+    and its base, the embedding, the final norm (a C pass where it gives the module's bits), the LM head, the
+    decoder layers and their o/down projections. (The rotary embedding the program calls; the fused forward calls
+    none of the others.)"""
     base = model.model
     layers = list(base.layers)
-    return [model, base, base.embed_tokens, model.lm_head, *layers, *(layer.self_attn.o_proj for layer in layers),
-            *(layer.mlp.down_proj for layer in layers)]
+    return [model, base, base.embed_tokens, base.norm, model.lm_head, *layers,
+            *(layer.self_attn.o_proj for layer in layers), *(layer.mlp.down_proj for layer in layers)]
 
 
 def hooks(modules: list[torch.nn.Module]) -> str:

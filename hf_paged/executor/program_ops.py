@@ -96,3 +96,32 @@ class Finish:
         done = self.layer.finish(self.y[:n])
         if self.out is not None and self.layer.rank == 0:
             self.out[:n].copy_(done)
+
+
+def bound(ops: list) -> list:
+    """``ops`` (``(fn, args)`` pairs) with every C function's arguments converted to ``ctypes`` values once, as its
+    ``argtypes`` would convert them at each call, and the function called through a twin without ``argtypes``
+    (same address, same ``restype``): ``ctypes`` then passes the values as they are. The step's cells (``c_int``
+    and ``c_void_p`` objects the program sets before a replay) stay themselves, so a call still reads their
+    current values, and any other ``ctypes`` object (an array the C function reads) passes as it is. A 15-argument
+    call took 4.1 us instead of 5.9 on a Zen 3, ~300 of them a decode step; other ops pass unchanged."""
+    return [c_call(fn, args) for fn, args in ops]
+
+
+def c_call(fn, args: tuple) -> tuple:
+    """``(twin, converted args)`` of a C function with ``argtypes`` (see :func:`bound`), else ``(fn, args)``."""
+    types = getattr(fn, "argtypes", None) if isinstance(fn, ctypes._CFuncPtr) else None
+    if not types or len(types) != len(args):
+        return fn, args
+    try:
+        converted = tuple(a if isinstance(a, _CTYPES) else t(a) for t, a in zip(types, args))
+    except TypeError:  # an argument only argtypes knows how to pass: the call keeps them
+        return fn, args
+    twin = type(fn)(ctypes.cast(fn, ctypes.c_void_p).value)
+    twin.restype, twin.__name__ = fn.restype, fn.__name__
+    return twin, converted
+
+
+# values ctypes passes without argtypes: its scalars and cells, arrays, structures, pointers, byref() objects
+_CTYPES = (ctypes._SimpleCData, ctypes.Array, ctypes.Structure, ctypes.Union, ctypes._Pointer,
+           type(ctypes.byref(ctypes.c_int())))

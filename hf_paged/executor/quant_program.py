@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from hf_paged.executor.program_ops import c_call
 from hf_paged.model.layers.quant_linear import FORMATS, TILED_ROWS, QuantEmbedding, QuantLinear, native_library
 
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # parent -> {names: (members, group)}
@@ -80,10 +81,12 @@ class QuantOp:
         self.args = (x.data_ptr(), x_stride, weight.data_ptr(), FORMATS[layer.fmt], scales, bias,
                      y.data_ptr(), y.shape[1])
         self.tail = (layer.out_features, layer.in_features, threads)
+        # the C call with its arguments converted once, the row count read from the cell (program_ops.bound)
+        self._call, self._call_args = c_call(self.fn, (*self.args, rows, *self.tail))
 
     def __call__(self) -> int:
+        if self.limit is None or self.rows.value <= self.limit:
+            return self._call(*self._call_args)
         n = self.rows.value
-        if self.limit is None or n <= self.limit:
-            return self.fn(*self.args, n, *self.tail)
         self.y[:n, : self.layer.out_features].copy_(self.layer(self.x[:n, : self.layer.in_features]))
         return 0

@@ -6,8 +6,9 @@
  *
  * Rounding follows the torch code they replace op by op: every intermediate that torch materializes in the
  * model's dtype is rounded to it here too (bf16/fp16), and the file is built with -ffp-contract=off so no
- * multiply-add is fused where torch rounds in between. fp32 results differ from torch's only in the order of
- * the RMSNorm's sum of squares and in the exp of SiLU (~1 ulp).
+ * multiply-add is fused where torch rounds in between, and the RMSNorm's sum of squares adds in the order of
+ * torch's CPU sum: its results are torch's bits in every dtype. The fp32 SiLU is not here (its exp would differ
+ * by ~1 ulp); the bf16 one rounds to torch's bits.
  *
  * fp32 and bf16 loops are written for the compiler's vectorizer (bf16 is a 16-bit shift to fp32 and a
  * branch-free round-to-nearest-even back), so each build gets the host's vector width; fp16 stays scalar.
@@ -48,32 +49,87 @@ static inline void st(void* p, int64_t i, int dt, float x) {
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 #define LD(p) (*(const v8*)(p))
 
-/* sum of h[i]^2, each square rounded before it is added (torch squares, then sums), 32 lanes at a time */
-static inline float sum_squares(const float* h, int n) {
-    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    int i = 0;
-    for (; i + 32 <= n; i += 32) {
-        const v8 x0 = LD(h + i), x1 = LD(h + i + 8), x2 = LD(h + i + 16), x3 = LD(h + i + 24);
-        a0 += x0 * x0, a1 += x1 * x1, a2 += x2 * x2, a3 += x3 * x3;
-    }
-    for (; i + 8 <= n; i += 8) {
-        const v8 x0 = LD(h + i);
-        a0 += x0 * x0;
-    }
-    const v8 a = (a0 + a1) + (a2 + a3);
-    float s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-    for (; i < n; ++i) s += h[i] * h[i];
-    return s;
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+/* ceil(log2(x)) as torch's utils::CeilLog2 counts it (1 for x <= 2) */
+static inline int ceil_log2(int64_t x) {
+    if (x <= 2) return 1;
+    int bits = 0;
+    for (uint64_t v = (uint64_t)x - 1; v; v >>= 1) ++bits;
+    return bits;
 }
+
+/*
+ * The sum of h[i]^2 (each square rounded before it is added, as pow(2) then sum) in the order of torch's CPU sum
+ * over a contiguous row of W-float vectors (W: torch's Vectorized<float> width, 8 with its AVX2 or default
+ * kernels, 16 with its AVX-512 ones): the row is W-float vectors read 4 at a time into 4 accumulators, which add
+ * up in a cascade of 4 levels of 2^lp steps (lp = max(4, ceil_log2(steps) / 4)); the vectors past the last
+ * group of 4 join the first accumulator, the 4 accumulators add left to right, then a scalar sum from zero
+ * takes the elements past the last vector and then the W lanes in order (a row shorter than W: torch's scalar
+ * sum, 4 running sums). Same bits as torch's pow(2).sum(-1)
+ * (and its mean, which divides that sum by n) for rows of fewer than 32768 elements, where torch sums a row in
+ * one pass; tests/test_fused_layers.py checks it against torch.
+ */
+#define TORCH_SUM_SQUARES(NAME, VT, W)                                                                        \
+    static float NAME(const float* h, int n) {                                                                \
+        if (n < (W)) { /* torch's scalar sum: 4 running sums of every 4th element, the rest into the first */  \
+            float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                                            \
+            for (int e = 0; e < n / 4 * 4; ++e) p[e % 4] += h[e] * h[e];                                       \
+            for (int e = n / 4 * 4; e < n; ++e) p[0] += h[e] * h[e];                                           \
+            return 0.0f + (((p[0] + p[1]) + p[2]) + p[3]);                                                    \
+        }                                                                                                     \
+        const int vs = n / (W), steps = vs / 4;                                                               \
+        const int lp = ceil_log2(steps) / 4 > 4 ? ceil_log2(steps) / 4 : 4;                                    \
+        const int64_t step = (int64_t)1 << lp, mask = step - 1;                                               \
+        VT acc[4][4];                                                                                         \
+        for (int l = 0; l < 4; ++l)                                                                           \
+            for (int k = 0; k < 4; ++k) acc[l][k] = (VT){0};                                                  \
+        int64_t i = 0;                                                                                        \
+        while (i + step <= steps) {                                                                           \
+            for (int64_t j = 0; j < step; ++j, ++i)                                                           \
+                for (int k = 0; k < 4; ++k) {                                                                 \
+                    VT x;                                                                                     \
+                    __builtin_memcpy(&x, h + (4 * i + k) * (W), sizeof x);                                    \
+                    acc[0][k] += x * x;                                                                       \
+                }                                                                                             \
+            for (int l = 1; l < 4; ++l) {                                                                     \
+                for (int k = 0; k < 4; ++k) acc[l][k] += acc[l - 1][k], acc[l - 1][k] = (VT){0};              \
+                if ((i & (mask << (l * lp))) != 0) break;                                                     \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (; i < steps; ++i)                                                                                \
+            for (int k = 0; k < 4; ++k) {                                                                     \
+                VT x;                                                                                         \
+                __builtin_memcpy(&x, h + (4 * i + k) * (W), sizeof x);                                        \
+                acc[0][k] += x * x;                                                                           \
+            }                                                                                                 \
+        for (int l = 1; l < 4; ++l)                                                                           \
+            for (int k = 0; k < 4; ++k) acc[0][k] += acc[l][k];                                               \
+        VT p = acc[0][0];                                                                                     \
+        for (int v = steps * 4; v < vs; ++v) {                                                                \
+            VT x;                                                                                             \
+            __builtin_memcpy(&x, h + (int64_t)v * (W), sizeof x);                                             \
+            p += x * x;                                                                                       \
+        }                                                                                                     \
+        for (int k = 1; k < 4; ++k) p += acc[0][k];                                                           \
+        float s = 0.0f;                                                                                       \
+        for (int e = vs * (W); e < n; ++e) s += h[e] * h[e];                                                  \
+        for (int k = 0; k < (W); ++k) s += p[k];                                                              \
+        return 0.0f + s;                                                                                      \
+    }
+TORCH_SUM_SQUARES(sum_squares8, v8, 8)
+TORCH_SUM_SQUARES(sum_squares16, v16, 16)
+#undef TORCH_SUM_SQUARES
 
 /*
  * out[r] = w * (h * rsqrt(mean(h^2) + eps)) with h = x[r], or, given add, h = x[r] + add[r], also written to
  * sum_out[r] (the new residual). Torch's order: h rounded to the dtype, the normalized row rounded to it
- * before the weight multiplies, the product rounded.
+ * before the weight multiplies, the product rounded; the sum of squares in the order of torch's sum with
+ * lanes-float vectors (8 or 16: see sum_squares8).
  */
 void hfp_rms_norm(const void* x, int64_t x_stride, const void* add, int64_t add_stride, void* sum_out,
                   int64_t sum_stride, const void* w, void* out, int64_t out_stride, int rows, int n, float eps,
-                  int dt, int threads) {
+                  int dt, int lanes, int threads) {
     const int nt = (int64_t)rows * n >= PAR_ELEMS ? threads : 1;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int r = 0; r < rows; ++r) {
@@ -105,7 +161,7 @@ void hfp_rms_norm(const void* x, int64_t x_stride, const void* add, int64_t add_
         } else {
             for (int i = 0; i < n; ++i) buf[i] = ld(x, x0 + i, dt);
         }
-        const float inv = 1.0f / sqrtf(sum_squares(h, n) / (float)n + eps);
+        const float inv = 1.0f / sqrtf((lanes == 16 ? sum_squares16(h, n) : sum_squares8(h, n)) / (float)n + eps);
         const int64_t o0 = (int64_t)r * out_stride;
         if (dt == DT_F32) {
             const float* wf = (const float*)w;
