@@ -47,8 +47,6 @@ static inline void st(void* p, int64_t i, int dt, float x) {
 }
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
-#define LD(p) (*(const v8*)(p))
-
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
 /* ceil(log2(x)) as torch's utils::CeilLog2 counts it (1 for x <= 2) */
