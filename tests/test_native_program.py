@@ -98,7 +98,7 @@ def test_final_norm_is_a_c_pass_only_where_it_gives_the_modules_bits(monkeypatch
     """Where the C RMSNorm gives torch's bits (probed), the final norm is one C pass over every row (the sampled
     rows gathered after it); elsewhere transformers' module runs. Either way the eager engine's logits, bitwise."""
     assert fused_ops.rms_norm_exact(torch.float32), "the RMSNorm kernel should sum in torch's order on x86 hosts"
-    monkeypatch.setattr(fused_ops, "rms_norm_exact", lambda dtype: exact)
+    monkeypatch.setattr(fused_ops, "rms_norm_exact", lambda dtype, n=None: exact)
     model = make_model("llama", seed=21)
     prompts = make_prompts(3, lengths=[4, 11, 7], seed=12)
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)

@@ -48,9 +48,6 @@ from hf_paged.lora.hooks import hook_of as lora_hook
 logger = logging.getLogger(__name__)
 
 _MIN_ROWS = 16
-# torch sums a row of fewer elements in one pass (below its grain size), in the order the C RMSNorm follows
-_ONE_PASS_SUM = 32768
-
 
 def _seen(owner: dict, key: str) -> tuple:
     """``(owner, key, obj, version, address)`` of what the program read from ``owner[key]`` (a parameter or a
@@ -445,7 +442,7 @@ class DecodeProgram:
                 ops.append((self._silu_mul, ()))
             ops.extend(linear_ops(mlp.down_proj, GU, 2 * inter, M))
         final = base.norm
-        if fused_ops.rms_norm_exact(dtype) and hidden < _ONE_PASS_SUM:  # the C pass gives the torch module's bits
+        if fused_ops.rms_norm_exact(dtype, hidden):  # the C pass gives the torch module's bits
             ops.append(norm_op(final, R, Hn, residual=M, total=X))
             ops.append((self._gather_sampled, ()))
         else:

@@ -65,9 +65,18 @@ def rms_norm(
 
 @functools.cache
 def torch_sum_lanes() -> int:
-    """The float vector width of torch's CPU kernels in this process (16 with its AVX-512 kernels, else 8): the
-    order in which its sums add, which the RMSNorm kernel follows to give torch's bits."""
-    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+    """The float vector width of torch's CPU sum in this process (8 or 16), the order in which its sums add, which
+    the RMSNorm kernel follows to give torch's bits. Measured, not read off the CPU capability: torch 2.13 built
+    for AVX-512 still sums in 8-lane vectors on an AVX-512/AMX Xeon. A row of 2W ones with 2^30 at 0 and -2^30 at
+    W sums to 2W - 2 when torch adds the two W-lane vectors lane by lane first (the two big values cancel before any
+    one is added); with any other width the ones added before the cancelling are lost. 8 when neither width fits
+    (the exactness probe then says the norm is not torch's)."""
+    for lanes in (8, 16):
+        row = torch.ones(2 * lanes)
+        row[0], row[lanes] = 2.0**30, -(2.0**30)
+        if row.sum().item() == 2 * lanes - 2:
+            return lanes
+    return 8
 
 
 def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -168,11 +177,16 @@ def unavailable_reason(dtype: torch.dtype = torch.float32) -> str:
     return probes.probe(PROBE, dtype).reason
 
 
-def rms_norm_exact(dtype: torch.dtype) -> bool:
+# torch sums a row of at least this many elements in chunks, one per thread (its reduction grain): another order
+ONE_PASS_SUM = 32768
+
+
+def rms_norm_exact(dtype: torch.dtype, n: int | None = None) -> bool:
     """Whether :func:`rms_norm` gives the bits of transformers' RMSNorm (torch's ops) for ``dtype`` here, the
-    residual add included (probed once): its sum of squares follows torch's CPU sum for the vector width of torch's
-    kernels in this process (:func:`torch_sum_lanes`), which a torch with another summation order would break."""
-    return probes.probe(PROBE_NORM_EXACT, dtype).ok
+    residual add included (probed once), for rows of ``n`` elements when given: its sum of squares follows torch's
+    CPU sum for torch's vector width in this process (:func:`torch_sum_lanes`) on rows shorter than
+    ``ONE_PASS_SUM``, which a torch with another summation order would break."""
+    return (n is None or n < ONE_PASS_SUM) and probes.probe(PROBE_NORM_EXACT, dtype).ok
 
 
 def argmax_available(dtype: torch.dtype) -> bool:
@@ -230,14 +244,16 @@ def _probe(dtype: torch.dtype) -> None:
 
 def _probe_norm_exact(dtype: torch.dtype) -> None:
     """Rows shorter than a vector, with a tail past the last vector, and long enough for torch's cascade of
-    partial sums (4100: 128 steps of 4 vectors at 8 lanes, 64 at 16), bit for bit against torch's ops."""
+    partial sums (4100: 128 steps of 4 vectors at 8 lanes, 64 at 16), bit for bit against torch's ops; 64-row
+    batches of short rows, so that a wrong order shows in some row (about one row in four when the width is
+    wrong)."""
     if dtype not in _DTYPES:
         raise NotImplementedError(f"the fused kernels take {sorted(str(d) for d in _DTYPES)}, not {dtype}")
     if LIBRARY.load() is None:
         raise RuntimeError(LIBRARY.why or "the fused kernels could not be built")
     g = torch.Generator().manual_seed(4)
     eps = 1e-6
-    for rows, n in ((3, 7), (5, 100), (2, 576), (1, 4100)):
+    for rows, n in ((3, 7), (64, 12), (64, 40), (5, 100), (2, 576), (1, 4100)):
         x, res = ((torch.randn(rows, n, generator=g) * 3).to(dtype) for _ in range(2))
         w = (torch.rand(n, generator=g) + 0.5).to(dtype)
         want_total = x + res
@@ -246,7 +262,8 @@ def _probe_norm_exact(dtype: torch.dtype) -> None:
         out, total = rms_norm(x, w, eps, residual=res)
         if not (torch.equal(total, want_total) and torch.equal(out, want)):
             raise probes.ProbeMismatch(f"fused RMSNorm of {rows} x {n} {dtype}: not torch's bits "
-                                       f"(torch's CPU capability {torch.backends.cpu.get_cpu_capability()})")
+                                       f"(torch's CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+                                       f"its sum measured {torch_sum_lanes()} lanes wide)")
 
 
 def _probe_argmax(dtype: torch.dtype) -> None:

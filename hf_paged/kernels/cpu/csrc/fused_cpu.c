@@ -59,8 +59,8 @@ static inline int ceil_log2(int64_t x) {
 
 /*
  * The sum of h[i]^2 (each square rounded before it is added, as pow(2) then sum) in the order of torch's CPU sum
- * over a contiguous row of W-float vectors (W: torch's Vectorized<float> width, 8 with its AVX2 or default
- * kernels, 16 with its AVX-512 ones): the row is W-float vectors read 4 at a time into 4 accumulators, which add
+ * over a contiguous row of W-float vectors (W: the width of torch's sum, 8 or 16, measured by the caller:
+ * fused_ops.torch_sum_lanes): the row is W-float vectors read 4 at a time into 4 accumulators, which add
  * up in a cascade of 4 levels of 2^lp steps (lp = max(4, ceil_log2(steps) / 4)); the vectors past the last
  * group of 4 join the first accumulator, the 4 accumulators add left to right, then a scalar sum from zero
  * takes the elements past the last vector and then the W lanes in order (a row shorter than W: torch's scalar
