@@ -458,12 +458,12 @@ class DecodeProgram:
                           "qweight" if type(embed) is QuantEmbedding else "weight"))
         # -- all built: install (the KV pools stay referenced by the engine; the buffers and packs by the program)
         self._x, self._r, self._h, self._qkv, self._a, self._o, self._gate_up, self._m = X, R, Hn, QKVb, A, O, GU, M
-        base_ops = [op for op in ops if id(op) not in deltas]
         self._logits, self._caps = logits, caps
-        self._head_op = next(i for i, op in enumerate(base_ops) if op is head_gemm)
         self._lora_head_op = next(i for i, op in enumerate(ops) if op is head_gemm)
-        base_ops = bound(base_ops)  # the C calls' arguments converted once
-        self._ops, self._lora_ops, self._lora_checks = base_ops, bound(ops) if deltas else base_ops, lora_checks
+        self._head_op = sum(1 for op in ops[: self._lora_head_op] if id(op) not in deltas)
+        calls = bound(ops)  # the C calls' arguments converted once; the plain list leaves the LoRA deltas out
+        base_ops = [call for op, call in zip(ops, calls) if id(op) not in deltas]
+        self._ops, self._lora_ops, self._lora_checks = base_ops, calls if deltas else base_ops, lora_checks
         self._scalars, self._groups, self._keep = scalars, groups, keep
         self._same_objects = [entry[:3] for entry in seen if entry[4] is None]
         self._same_tensors = [entry for entry in seen if entry[4] is not None]

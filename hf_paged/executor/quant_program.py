@@ -68,21 +68,20 @@ class QuantOp:
 
     def __init__(self, layer: QuantLinear, x: torch.Tensor, x_stride: int, y: torch.Tensor, rows: ctypes.c_int,
                  threads: int) -> None:
-        self.fn, mode, weight = layer.kernel()
-        assert self.fn is not None, "QuantOp needs the native quantized kernel"
+        fn, mode, weight = layer.kernel()
+        assert fn is not None, "QuantOp needs the native quantized kernel"
         if x.dtype == torch.bfloat16:  # a bf16 model's buffers: the bf16 mode's bf16-in, bf16-out kernel
             assert mode == "bf16" and y.dtype == torch.bfloat16, "bf16 buffers need the bf16 kernel mode"
-            self.fn = native_library("bf16").hfqb_linear_bf16
+            fn = native_library("bf16").hfqb_linear_bf16
         self.limit = TILED_ROWS if mode == "float" else None  # int8, bf16 activations: one kernel for every batch
         self.layer, self.x, self.y, self.rows = layer, x, y, rows
         scales = None if layer.scales is None else layer.scales.data_ptr()
         bias = None if layer.bias is None else layer.bias.data_ptr()
         self.weight = weight  # held: the interleaved copy of the rows8 kernel lives as long as the op
-        self.args = (x.data_ptr(), x_stride, weight.data_ptr(), FORMATS[layer.fmt], scales, bias,
-                     y.data_ptr(), y.shape[1])
-        self.tail = (layer.out_features, layer.in_features, threads)
         # the C call with its arguments converted once, the row count read from the cell (program_ops.bound)
-        self._call, self._call_args = c_call(self.fn, (*self.args, rows, *self.tail))
+        self._call, self._call_args = c_call(fn, (
+            x.data_ptr(), x_stride, weight.data_ptr(), FORMATS[layer.fmt], scales, bias, y.data_ptr(), y.shape[1],
+            rows, layer.out_features, layer.in_features, threads))
 
     def __call__(self) -> int:
         if self.limit is None or self.rows.value <= self.limit:
