@@ -81,6 +81,38 @@ def test_rms_norm_gives_transformers_bits(dtype):
                 assert torch.equal(fused_ops.rms_norm(x, norm.weight, norm.variance_epsilon)[0], norm(x)), (n, rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rounds_subnormals_and_specials_like_torch(dtype):
+    """Rows holding subnormals (which the AVX-512 BF16 conversion instruction would flush: those vectors take the
+    software rounding), zeros, infinities and NaN: the same bits as transformers' RMSNorm, the residual sum too
+    (NaN where torch has NaN: torch's vectorized bf16 rounding writes every NaN as 0xffff, its scalar one keeps
+    the sign and payload, as the kernel does)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    tiny = torch.finfo(torch.float32).tiny
+    g = torch.Generator().manual_seed(11)
+    n = 64
+    norm = LlamaRMSNorm(n, eps=1e-5)
+    norm.weight.data = torch.randn(n, generator=g).to(dtype)
+    x = (torch.randn(6, n, generator=g) * tiny * 0.3).to(dtype)  # row 0: subnormals only (eps dominates)
+    x[1, ::3] = 0.0
+    x[2, 5] = float("inf")
+    x[3, 7] = float("nan")
+    x[4] = torch.randn(n, generator=g).to(dtype) * 1e-3
+    x[4, ::2] *= tiny  # normal and subnormal values in one vector
+    res = (torch.randn(6, n, generator=g) * tiny * 0.3).to(dtype)
+    res[5] = -x[5]  # the sum is zeros: 0 / sqrt(eps)
+    def same(got, want):
+        as_int = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        return bool(((got.view(as_int) == want.view(as_int)) | (got.isnan() & want.isnan())).all())
+
+    with torch.no_grad():
+        out, total = fused_ops.rms_norm(x, norm.weight, norm.variance_epsilon, residual=res)
+        assert same(total, x + res)
+        assert same(out, norm((x + res)[None])[0])
+        assert same(fused_ops.rms_norm(x, norm.weight, norm.variance_epsilon)[0], norm(x))
+
+
 def test_silu_mul_takes_the_faster_of_its_two_paths(monkeypatch):
     """The C pass is used only where it was timed faster than torch's ops here; either way torch's bits."""
     assert fused_ops.silu_mul_available(), probes.probe(fused_ops.PROBE_SILU, torch.bfloat16).reason
