@@ -306,3 +306,74 @@ def test_bound_c_calls_convert_their_arguments_once_and_read_the_cells_at_each_c
     rows.value = 3  # the next step's row count: the same bound call reads it
     fn(*converted)
     assert torch.equal(out[:3], want[:3]) and not out[3:].any()
+
+
+def test_recorded_reads_notice_every_kind_of_change():
+    """The bulk checks of what a recording read: a replaced object, a tensor's new version or storage, a changed
+    setting, a LoRA slot other than the allowed one (None and the allowed slot both pass), a packed group whose
+    member changed (its exact check re-packs it) or whose pack was replaced."""
+    from types import SimpleNamespace
+
+    from hf_paged.executor.native_program import _seen
+    from hf_paged.executor.program_reads import RecordedReads
+
+    sub, w = torch.nn.Linear(2, 2), torch.nn.Parameter(torch.randn(3))
+    modules, params = {"sub": sub, "bias": None}, {"weight": w}
+    norm = SimpleNamespace(variance_epsilon=1e-5)
+    allowed = object()
+    layer = SimpleNamespace(lora=None)
+
+    class Group:  # a packed group as PackedGroup keeps it: members' parameter dicts and what they held
+        def __init__(self):
+            self.member = torch.nn.Linear(2, 2)
+            self._params = [self.member._parameters]
+            self.repacks = 0
+            self._pack()
+
+        def _pack(self):
+            wt, b = self.member.weight, self.member.bias
+            self.sources = [(wt, wt._version, wt.data_ptr(), b, b._version, b.data_ptr())]
+            self.pack = object()
+
+        def usable(self):
+            wt = self.member.weight
+            if (wt, wt._version, wt.data_ptr()) != self.sources[0][:3]:
+                self._pack()
+                self.repacks += 1
+            return True
+
+    group = Group()
+
+    def reads():
+        seen = [_seen(modules, "sub"), _seen(modules, "bias"), _seen(params, "weight")]
+        return RecordedReads(seen, [(norm, "variance_epsilon", 1e-5)], [(layer, allowed)], [(group, group.pack)])
+
+    r = reads()
+    assert r.valid()
+    layer.lora = allowed
+    assert r.valid(), "the allowed slot"
+    layer.lora = None
+    assert r.valid()
+    layer.lora = object()
+    assert not r.valid(), "another slot"
+    layer.lora = None
+    changes = [
+        lambda: modules.__setitem__("sub", torch.nn.Linear(2, 2)),
+        lambda: modules.__setitem__("bias", torch.zeros(2)),
+        lambda: w.detach().mul_(2),  # in place (detach shares the version counter): a new version
+        lambda: setattr(w, "data", torch.randn(3)),  # new storage, same object and version
+        lambda: setattr(norm, "variance_epsilon", 1e-6),
+        lambda: setattr(group, "pack", object()),
+    ]
+    for i, change in enumerate(changes):
+        r = reads()
+        assert r.valid()
+        change()
+        assert not r.valid(), f"change {i} went unnoticed"
+        modules.update(sub=sub, bias=None)
+        norm.variance_epsilon = 1e-5
+    r = reads()
+    with torch.no_grad():
+        group.member.weight.mul_(2)
+    assert not r.valid() and group.repacks == 1, "a changed member is re-packed, the recording is stale"
+    assert reads().valid()

@@ -42,6 +42,7 @@ from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops
 from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
 from hf_paged.executor.quant_program import QuantEmbedding, QuantLinear, QuantOp, quant_group
 from hf_paged.model.layers.parallel import linear_of
+from hf_paged.executor.program_reads import RecordedReads
 from hf_paged.executor.program_ops import Copy as _Copy, Finish as _Finish, Linear as _Linear, bound, lora_delta_ops
 from hf_paged.lora.hooks import hook_of as lora_hook
 
@@ -89,8 +90,6 @@ class DecodeProgram:
         self._head_op = -1  # index of the LM head's GEMM in _ops (skipped when no row is sampled)
         self._lora_ops: list = []  # _ops with the LoRA delta ops (a step with adapter rows)
         self._lora_head_op = -1
-        self._lora_checks: list = []  # (layer, its shared LoRA hook): its ``lora`` must be None or that hook
-        self._groups: list = []
         self.logits_capacity = 0
         self._rows, self._sampled = ctypes.c_int(0), ctypes.c_int(0)
         self._token_slot = ctypes.c_void_p(0)  # the step plan's int32 [rows] slot index (the LoRA kernel's calls)
@@ -101,9 +100,7 @@ class DecodeProgram:
         self._table_stride, self._num_ids, self._max_q = ctypes.c_int64(0), ctypes.c_int(0), ctypes.c_int(0)
         self._act: list[torch.Tensor] = []  # [gate rows, up rows] of this step: read by the SiLU-mul op
         self._packing = None
-        self._same_objects: list = []  # (owner dict, key, object) read by the recording
-        self._same_tensors: list = []  # (owner dict, key, tensor, version, address)
-        self._scalars: list = []
+        self._reads = RecordedReads([], [], [], [])  # what the recorded calls read, checked before each replay
         self._keep: list = []
         self.capture: tuple[int, ...] = ()  # decoder layers whose outputs the program copies out (set_capture)
         self._caps: dict[int, torch.Tensor] = {}
@@ -194,26 +191,8 @@ class DecodeProgram:
 
     def _valid(self) -> bool:
         """Whether the recorded calls still read the model's current weights and settings."""
-        if self.threads != torch.get_num_threads():
-            return False
-        for owner, key, obj in self._same_objects:  # submodules, absent biases
-            if owner.get(key) is not obj:
-                return False
-        for owner, key, tensor, version, ptr in self._same_tensors:
-            t = owner.get(key)
-            if t is not tensor or t.data_ptr() != ptr or (version is not None and t._version != version):
-                return False
-        for obj, attr, value in self._scalars:
-            if getattr(obj, attr, None) != value:
-                return False
-        for layer, slot in self._lora_checks:
-            lora = getattr(layer, "lora", None)
-            if lora is not None and lora is not slot:
-                return False
-        for group, pack in self._groups:
-            if not group.usable() or group.pack is not pack:
-                return False
-        return model_patches.current(self.owner, "packing") is self._packing and not hooks(self._modules)
+        return (self.threads == torch.get_num_threads() and self._reads.valid()
+                and model_patches.current(self.owner, "packing") is self._packing and not hooks(self._modules))
 
     # -- recording ---------------------------------------------------------------------------------
     def _record(self, capacity: int, logits_capacity: int) -> bool:
@@ -230,8 +209,8 @@ class DecodeProgram:
             except Exception as e:  # noqa: BLE001 - out of memory, a packing error: the eager path serves
                 why = f"recording failed: {type(e).__name__}: {e}"
         if why:
-            self._ops, self._lora_ops, self._lora_checks = [], [], []
-            self._keep = self._same_objects = self._same_tensors = self._groups = []
+            self._ops, self._lora_ops, self._keep = [], [], []
+            self._reads = RecordedReads([], [], [], [])
             self._x = self._r = self._h = self._qkv = self._a = self._o = self._gate_up = self._m = self._logits = None
             self.capacity = self.logits_capacity = 0
             if why != self.why_not:  # said once per reason
@@ -463,10 +442,9 @@ class DecodeProgram:
         self._head_op = sum(1 for op in ops[: self._lora_head_op] if id(op) not in deltas)
         calls = bound(ops)  # the C calls' arguments converted once; the plain list leaves the LoRA deltas out
         base_ops = [call for op, call in zip(ops, calls) if id(op) not in deltas]
-        self._ops, self._lora_ops, self._lora_checks = base_ops, calls if deltas else base_ops, lora_checks
-        self._scalars, self._groups, self._keep = scalars, groups, keep
-        self._same_objects = [entry[:3] for entry in seen if entry[4] is None]
-        self._same_tensors = [entry for entry in seen if entry[4] is not None]
+        self._ops, self._lora_ops = base_ops, calls if deltas else base_ops
+        self._keep = keep
+        self._reads = RecordedReads(seen, scalars, lora_checks, groups)
         self._modules = skipped_modules(model)
         self._packing = packing
         self.head_dim, self.intermediate, self.threads = D, inter, threads
