@@ -20,8 +20,8 @@ def test_kernels_build_and_pass_their_probe(dtype):
     assert fused_ops.available(dtype), fused_ops.unavailable_reason(dtype)
 
 
-@pytest.mark.parametrize("isa_flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma")],
-                         ids=["avx2", "no-avx2"])
+@pytest.mark.parametrize("isa_flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma"), ("-mno-avx",)],
+                         ids=["avx2", "no-avx2", "no-avx"])
 def test_kernels_narrower_vector_builds(isa_flags, monkeypatch):
     """The bf16 loops are vectorized by the compiler for whatever ISA the build targets: build the narrower ones
     too, so an AVX-512 host also checks what AVX2-only CPUs run (the probe compares against the torch code)."""
@@ -37,6 +37,8 @@ def test_kernels_narrower_vector_builds(isa_flags, monkeypatch):
         fused_ops._probe_argmax(dtype)
     fused_ops._probe_silu(torch.bfloat16)
     _assert_silu_mul_is_torch_bitwise()
+    for dtype in (torch.float32, torch.bfloat16):  # the software rounding of subnormals where the build has no BF16
+        _assert_norm_rounds_specials_like_torch(dtype)
 
 
 def test_silu_mul_is_torch_for_every_bf16_gate():
@@ -83,6 +85,10 @@ def test_rms_norm_gives_transformers_bits(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_rounds_subnormals_and_specials_like_torch(dtype):
+    _assert_norm_rounds_specials_like_torch(dtype)
+
+
+def _assert_norm_rounds_specials_like_torch(dtype):
     """Rows holding subnormals (which the AVX-512 BF16 conversion instruction would flush: those vectors take the
     software rounding), zeros, infinities and NaN: the same bits as transformers' RMSNorm, the residual sum too
     (NaN where torch has NaN: torch's vectorized bf16 rounding writes every NaN as 0xffff, its scalar one keeps
@@ -168,7 +174,7 @@ def _assert_rounds_like_torch(dtype):
     if dtype == torch.bfloat16:  # the product of two rounded values: equal but for sum-order ties
         assert (out == norm(x + res)).float().mean() > 0.99
     torch.testing.assert_close(out, norm(x + res), rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
-    for d in (16, 64):  # half a head below and at several vector widths
+    for d in (16, 64, 80):  # half a head below, at and past (a tail) several vector widths
         q, k = torch.randn(33, 4 * d, generator=g).to(dtype), torch.randn(33, 2 * d, generator=g).to(dtype)
         angle = torch.randn(33, d // 2, generator=g).repeat(1, 2)
         cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)

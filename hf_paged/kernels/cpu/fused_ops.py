@@ -69,10 +69,10 @@ def torch_sum_lanes() -> int:
     the RMSNorm kernel follows to give torch's bits. Measured, not read off the CPU capability: torch 2.13 built
     for AVX-512 still sums in 8-lane vectors on an AVX-512/AMX Xeon. A row of 2W ones with 2^30 at 0 and -2^30 at
     W sums to 2W - 2 when torch adds the two W-lane vectors lane by lane first (the two big values cancel before any
-    one is added); with any other width the ones added before the cancelling are lost. 8 when neither width fits
-    (the exactness probe then says the norm is not torch's)."""
+    one is added); with any other width the ones added before the cancelling are lost (a 4-lane torch would
+    read as 16). 8 when neither width fits; either way the exactness probe checks the norm against torch's."""
     for lanes in (8, 16):
-        row = torch.ones(2 * lanes)
+        row = torch.ones(2 * lanes, dtype=torch.float32, device="cpu")  # (not the default dtype/device)
         row[0], row[lanes] = 2.0**30, -(2.0**30)
         if row.sum().item() == 2 * lanes - 2:
             return lanes

@@ -400,7 +400,7 @@ static uint16_t silu_table[65536 + 2];
 __attribute__((constructor)) static void fill_silu_table(void) {
     for (int h = 0; h < 65536; h += AW) {
         vai bits;
-        for (int j = 0; j < AW; ++j) bits[j] = (h + j) << 16;
+        for (int j = 0; j < AW; ++j) bits[j] = (int32_t)((uint32_t)(h + j) << 16);
         const vau s = (vau)silu_lanes((vaf)bits) >> 16;
         for (int j = 0; j < AW; ++j) silu_table[h + j] = (uint16_t)s[j];
     }
@@ -419,7 +419,7 @@ static inline vaf silu_of(const uint16_t* g) {
     vai words;
     for (int j = 0; j < AW; ++j) words[j] = silu_table[g[j]];
 #endif
-    return (vaf)(words << 16);
+    return (vaf)((vau)words << 16);
 }
 
 void hfp_silu_mul_bf16(void* gate, int64_t gate_stride, const void* up, int64_t up_stride, int rows, int n, int threads) {
