@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 _MIN_ROWS = 16
 
+
 def _seen(owner: dict, key: str) -> tuple:
     """``(owner, key, obj, version, address)`` of what the program read from ``owner[key]`` (a parameter or a
     submodule): :meth:`DecodeProgram._valid` checks it is still the same object, a tensor at the same version
