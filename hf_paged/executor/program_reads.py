@@ -1,6 +1,6 @@
 """What a recorded :class:`~hf_paged.executor.native_program.DecodeProgram` read from the model, checked before
 every replay in bulk: each kind of read is one ``map`` over parallel lists (C loops, no Python frame per item),
-where a Python loop over the ~900 reads of the default model took ~300 us a step on the Xeon AMX host (2-3% of a
+where a Python loop over the ~970 reads of the default model took ~300 us a step on the Xeon AMX host (2-3% of a
 batch-1 step). Anything the fast checks cannot tell apart (a LoRA slot moved between allowed values, a packed
 group's member changed) goes to the exact per-item check, which may re-pack a group."""
 
