@@ -107,7 +107,7 @@ def test_final_norm_is_a_c_pass_only_where_it_gives_the_modules_bits(monkeypatch
         with PagedGenerator(model, num_blocks=32, max_num_seqs=3, enforce_eager=eager, **NATIVE) as engine:
             if not eager:
                 program = engine.executor.runner.fast
-                names = {getattr(fn, "__name__", "") for fn, _ in program._ops}
+                names = {getattr(fn, "__name__", "") for fn, _ in program._ops.calls}
                 assert ("_gather_sampled" in names) == exact and ("_final_norm" in names) != exact
             outs = engine.generate(prompts, params, use_tqdm=False)
             results.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
@@ -240,7 +240,7 @@ def test_program_survives_a_failed_recording_and_notices_swapped_storage_and_mod
         runs = program.num_runs
         check(engine)
         assert program.num_runs == runs and "recording failed: MemoryError" in program.why_not
-        assert program._ops == [] and program.capacity == 0
+        assert program._ops is None and program.capacity == 0
         monkeypatch.undo()
         program._retry_in = 0
         check(engine)

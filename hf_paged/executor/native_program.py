@@ -38,12 +38,12 @@ from hf_paged.model import patches as model_patches
 from hf_paged.model.layers.fused_decoder import GATE_UP, QKV
 from hf_paged.executor.program_fit import DTYPES
 from hf_paged.executor.program_fit import hooks, skipped_modules, why_not
-from hf_paged.kernels.cpu import attention as cpu_attention, fused_ops
+from hf_paged.kernels.cpu import attention as cpu_attention, call_list, fused_ops
 from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
 from hf_paged.executor.quant_program import QuantEmbedding, QuantLinear, QuantOp, quant_group
 from hf_paged.model.layers.parallel import linear_of
 from hf_paged.executor.program_reads import RecordedReads
-from hf_paged.executor.program_ops import Copy as _Copy, Finish as _Finish, Linear as _Linear, bound, lora_delta_ops
+from hf_paged.executor.program_ops import CallLists, Copy as _Copy, Finish as _Finish, Linear as _Linear, lora_delta_ops
 from hf_paged.lora.hooks import hook_of as lora_hook
 
 logger = logging.getLogger(__name__)
@@ -87,10 +87,8 @@ class DecodeProgram:
         self.threads = 0
         self.why_not = ""  # why the last step could not run as the program ("" when it could)
         self._failures = self._retry_in = 0
-        self._ops: list = []
-        self._head_op = -1  # index of the LM head's GEMM in _ops (skipped when no row is sampled)
-        self._lora_ops: list = []  # _ops with the LoRA delta ops (a step with adapter rows)
-        self._lora_head_op = -1
+        self._ops: CallLists | None = None  # the recorded calls (the LM head's skipped when no row is sampled)
+        self._lora_ops: CallLists | None = None  # _ops with the LoRA delta ops (a step with adapter rows)
         self.logits_capacity = 0
         self._rows, self._sampled = ctypes.c_int(0), ctypes.c_int(0)
         self._token_slot = ctypes.c_void_p(0)  # the step plan's int32 [rows] slot index (the LoRA kernel's calls)
@@ -177,13 +175,13 @@ class DecodeProgram:
         self._max_q.value = step_args.max_q
         gate_up = self._gate_up[:rows]
         self._act[:] = (gate_up[:, : self.intermediate], gate_up[:, self.intermediate :])
-        ops, head_op = (self._ops, self._head_op) if plan is None else (self._lora_ops, self._lora_head_op)
+        ops, head_op = (self._ops if plan is None else self._lora_ops).pick(rows)
         for i, (fn, args) in enumerate(ops):
             if i == head_op and not sampled:  # no sampled row: no LM head (its gather, if any, still runs)
                 continue
             rc = fn(*args)
             if rc:  # the kernels return nonzero when they cannot allocate scratch or meet a slot past the pool
-                raise RuntimeError(f"native decode program: {getattr(fn, '__name__', fn)} returned {rc}")
+                raise RuntimeError(f"native decode program: {call_list.failed_call(fn)} returned {rc}")
         self.num_runs += 1
         self.num_lora_runs += plan is not None
         for i in step.hidden_layers:  # copies: the buffers are the next step's
@@ -210,7 +208,8 @@ class DecodeProgram:
             except Exception as e:  # noqa: BLE001 - out of memory, a packing error: the eager path serves
                 why = f"recording failed: {type(e).__name__}: {e}"
         if why:
-            self._ops, self._lora_ops, self._keep = [], [], []
+            self._ops = self._lora_ops = None
+            self._keep = []
             self._reads = RecordedReads([], [], [], [])
             self._x = self._r = self._h = self._qkv = self._a = self._o = self._gate_up = self._m = self._logits = None
             self.capacity = self.logits_capacity = 0
@@ -439,11 +438,10 @@ class DecodeProgram:
         # -- all built: install (the KV pools stay referenced by the engine; the buffers and packs by the program)
         self._x, self._r, self._h, self._qkv, self._a, self._o, self._gate_up, self._m = X, R, Hn, QKVb, A, O, GU, M
         self._logits, self._caps = logits, caps
-        self._lora_head_op = next(i for i, op in enumerate(ops) if op is head_gemm)
-        self._head_op = sum(1 for op in ops[: self._lora_head_op] if id(op) not in deltas)
-        calls = bound(ops)  # the C calls' arguments converted once; the plain list leaves the LoRA deltas out
-        base_ops = [call for op, call in zip(ops, calls) if id(op) not in deltas]
-        self._ops, self._lora_ops = base_ops, calls if deltas else base_ops
+        head_at = next(i for i, op in enumerate(ops) if op is head_gemm)
+        base_ops = [op for op in ops if id(op) not in deltas]  # the plain list leaves the LoRA deltas out
+        self._ops = CallLists(base_ops, sum(1 for op in ops[:head_at] if id(op) not in deltas))
+        self._lora_ops = CallLists(ops, head_at) if deltas else self._ops
         self._keep = keep
         self._reads = RecordedReads(seen, scalars, lora_checks, groups)
         self._modules = skipped_modules(model)

@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-from hf_paged.kernels.cpu import lora_ops
+from hf_paged.kernels.cpu import call_list, lora_ops
 from hf_paged.lora import slots as lora_slots
 from hf_paged.model.layers.parallel import ParallelLinear
 
@@ -106,6 +106,36 @@ def bound(ops: list) -> list:
     current values, and any other ``ctypes`` object (an array the C function reads) passes as it is. A 15-argument
     call took 4.1 us instead of 5.9 on a Zen 3, ~300 of them a decode step; other ops pass unchanged."""
     return [c_call(fn, args) for fn, args in ops]
+
+
+
+class CallLists:
+    """A recorded step's calls (``(fn, args)`` pairs, the LM head's GEMM at ``head``) ready to replay, twice: each
+    call on its own (:func:`bound`), and with every run of C calls made one (:func:`~hf_paged.kernels.cpu.call_list.join`),
+    for steps of at most :attr:`limit` rows. An op with a ``direct`` attribute (a quantized linear:
+    ``(fn, args, rows)``) is its C call ``fn(*args)`` in the joined list, for steps of at most ``rows`` rows
+    (None: any); above, the op itself runs."""
+
+    def __init__(self, ops: list, head: int) -> None:
+        self.calls, self.head = bound(ops), head
+        raw, self.limit = [], None
+        for fn, args in ops:
+            direct = getattr(fn, "direct", None)
+            if direct is not None:
+                fn, args, rows = direct
+                self.limit = rows if self.limit is None or rows is None else min(self.limit, rows)
+            raw.append((fn, args))
+        self.joined, where = call_list.join(raw, frozenset({head}), convert=c_call)
+        self.joined_head = where[head]
+        if len(self.joined) == len(self.calls):  # nothing joined: one list
+            self.joined, self.joined_head, self.limit = self.calls, head, None
+        self.kept = ops  # the arguments point into what the ops hold
+
+    def pick(self, rows: int) -> tuple[list, int]:
+        """The calls for a step of ``rows`` rows and the index of its LM head's."""
+        if self.limit is None or rows <= self.limit:
+            return self.joined, self.joined_head
+        return self.calls, self.head
 
 
 def c_call(fn, args: tuple) -> tuple:

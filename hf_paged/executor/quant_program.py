@@ -78,10 +78,11 @@ class QuantOp:
         scales = None if layer.scales is None else layer.scales.data_ptr()
         bias = None if layer.bias is None else layer.bias.data_ptr()
         self.weight = weight  # held: the interleaved copy of the rows8 kernel lives as long as the op
+        args = (x.data_ptr(), x_stride, weight.data_ptr(), FORMATS[layer.fmt], scales, bias, y.data_ptr(), y.shape[1],
+                rows, layer.out_features, layer.in_features, threads)
+        self.direct = (fn, args, self.limit)  # the C call, for steps of at most limit rows (program_ops.CallLists)
         # the C call with its arguments converted once, the row count read from the cell (program_ops.bound)
-        self._call, self._call_args = c_call(fn, (
-            x.data_ptr(), x_stride, weight.data_ptr(), FORMATS[layer.fmt], scales, bias, y.data_ptr(), y.shape[1],
-            rows, layer.out_features, layer.in_features, threads))
+        self._call, self._call_args = c_call(fn, args)
 
     def __call__(self) -> int:
         if self.limit is None or self.rows.value <= self.limit:
