@@ -91,7 +91,7 @@ def test_a_failing_kernel_stops_the_run_and_is_named():
 def test_every_kernel_of_the_program_has_a_runner_case():
     table = call_list.runner().signatures
     libs = [(native_gemm.NATIVE_GEMM, ("hfp_gemm", "hfp_gemm_bf16")), (quant_linear.QUANT_GEMM, ("hfq_linear",)),
-            (fused_ops.LIBRARY, ("hfp_rms_norm", "hfp_rope", "hfp_silu_mul_bf16")),
+            (fused_ops.LIBRARY, ("hfp_rms_norm", "hfp_rope", "hfp_silu_mul_bf16", "hfp_silu_mul_f32")),
             (attention.LIBRARY, ("hfp_store_kv", "hfp_store_kv_int8", "hfp_paged_attention")),
             (lora_ops.LIBRARY, ("hfp_lora_bgmv_call",))]
     for lib, names in libs:
@@ -102,12 +102,12 @@ def test_every_kernel_of_the_program_has_a_runner_case():
             assert call_list.signature(getattr(loaded, name)) in table, name
 
 
-def test_call_lists_keep_quantized_ops_whole_above_their_row_limit():
+def test_call_lists_keep_ops_whole_for_the_row_counts_their_c_call_does_not_serve():
     x, w, out = torch.randn(4, 8), torch.ones(8), torch.zeros(4, 8)
     rows = ctypes.c_int(4)
 
     class Op:  # a quantized linear's op: its C call serves steps of at most 2 rows
-        direct = _norm_call(x, w, out, rows) + (2,)
+        direct = _norm_call(x, w, out, rows) + (lambda n: n <= 2,)
 
         def __call__(self):
             return 0
@@ -118,12 +118,15 @@ def test_call_lists_keep_quantized_ops_whole_above_their_row_limit():
     assert len(joined) == 2 and head == 1 and joined[0][0].names == ["hfp_rms_norm"] * 2
     calls, head = lists.pick(3)
     assert len(calls) == 3 and head == 2 and calls[1][0] is op
+    assert lists.pick(2)[0] is joined and lists._joined_serves == {2: True, 3: False}  # asked once per row count
 
 
-@pytest.mark.parametrize("dtype,kv", [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float32, "int8")])
-def test_program_logits_are_those_of_its_direct_calls(monkeypatch, dtype, kv):
-    """The program's joined calls against the same program's calls made one by one: the same logits, bitwise."""
-    model = make_model("qwen2", seed=14, dtype=dtype)
+@pytest.mark.parametrize("dtype,kv,inter", [(torch.float32, "auto", 128), (torch.bfloat16, "auto", 128),
+                                            (torch.float32, "int8", 128), (torch.float32, "auto", 136)])
+def test_program_logits_are_those_of_its_direct_calls(monkeypatch, dtype, kv, inter):
+    """The program's joined calls against the same program's calls made one by one: the same logits, bitwise; and
+    a width the fp32 SiLU-mul's C pass does not serve (136): the ops one by one at every step, torch's SiLU."""
+    model = make_model("qwen2", seed=14, dtype=dtype, intermediate_size=inter)
     prompts = make_prompts(3, lengths=[4, 17, 9], seed=6)
     params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=5)
     results = []
@@ -137,5 +140,6 @@ def test_program_logits_are_those_of_its_direct_calls(monkeypatch, dtype, kv):
             lists = program._ops
             short = len(lists.joined) < len(lists.calls) / 3  # the C calls joined: a few Python ops between them
             assert short == (joined == "1"), (len(lists.joined), len(lists.calls))
+            assert lists.pick(1)[0] is (lists.joined if inter % 32 == 0 else lists.calls)
             results.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
     assert results[0] == results[1]

@@ -36,6 +36,7 @@ def test_kernels_narrower_vector_builds(isa_flags, monkeypatch):
         _assert_rounds_like_torch(dtype)
         fused_ops._probe_argmax(dtype)
     fused_ops._probe_silu(torch.bfloat16)
+    fused_ops._probe_silu(torch.float32)
     _assert_silu_mul_is_torch_bitwise()
     for dtype in (torch.float32, torch.bfloat16):  # the software rounding of subnormals where the build has no BF16
         _assert_norm_rounds_specials_like_torch(dtype)
@@ -145,14 +146,49 @@ def test_silu_mul_takes_the_faster_of_its_two_paths(monkeypatch):
     assert [key for key, _ in stored] == ["silu-mul:bfloat16:64x1536"] and set(stored[0][1]) == {"ours", "torch"}
 
 
-def test_silu_mul_keeps_torch_for_fp32_and_refuses_bad_tensors():
-    g, u = torch.randn(5, 33), torch.randn(5, 33)
+def test_silu_mul_refuses_bad_tensors():
+    g, u = torch.randn(5, 33), torch.randn(5, 33)  # fp32 of a width torch does not vectorize throughout: torch's ops
     assert torch.equal(fused_ops.silu_mul_(g.clone(), u), torch.nn.functional.silu(g) * u)
     bf = torch.randn(5, 33).to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"up: expected \(5, 33\) torch.bfloat16 like gate, got \(5, 32\)"):
         fused_ops.silu_mul_(bf, bf[:, :32].contiguous())
     with pytest.raises(ValueError, match="gate: expected a CPU fp32/bf16/fp16"):
         fused_ops.silu_mul_(bf.t(), bf.t())
+
+
+def test_fp32_silu_mul_is_torch_where_it_serves_and_torch_elsewhere(monkeypatch):
+    """The fp32 C pass (Sleef's exp, step by step) where torch vectorizes every element: torch's bits on strided
+    gate|up rows as the fused MLP has them, one thread and two, a row split between two threads' ranges; shapes
+    with a scalar remainder in torch (libm's exp) keep torch's ops, whose bits there the C pass would not give."""
+    assert fused_ops.silu_mul_available(torch.float32), probes.probe(fused_ops.PROBE_SILU, torch.float32).reason
+    monkeypatch.setitem(fused_ops._SILU_FASTER, torch.float32, True)
+    serves = fused_ops.silu_f32_serves
+    assert serves(1, 1536, 2) and serves(31, 1536, 2) and serves(33, 1024, 2) and serves(33, 1056, 1)
+    assert not serves(3, 40, 1) and not serves(33, 1056, 2) and not serves(1, 1552, 2)  # 33 x 1056 / 2: 16 past a step
+    calls = []
+    kernel = fused_ops.LIBRARY.load().hfp_silu_mul_f32
+    monkeypatch.setattr(fused_ops, "silu_mul_kernel", lambda dtype: (lambda *a: calls.append(a) or kernel(*a)))
+    gen = torch.Generator().manual_seed(4)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows, n in ((1, 1536), (31, 1536), (33, 1024), (33, 1056), (3, 40)):
+                both = torch.randn(rows, 2 * n, generator=gen) * 6
+                want = torch.nn.functional.silu(both[:, :n].contiguous()) * both[:, n:]  # the stock model's order
+                calls.clear()
+                got = fused_ops.silu_mul_(both[:, :n], both[:, n:])
+                assert bool(calls) == serves(rows, n, threads), (rows, n, threads)
+                assert torch.equal(got, want), (rows, n, threads)
+    finally:
+        torch.set_num_threads(before)
+    # why the remainder keeps torch's ops: there torch's exp is libm's (on rows of 40, their last 8), and the C pass
+    # differs in some of those results
+    both, up = torch.randn(4000, 80, generator=gen) * 6, torch.ones(4000, 40)
+    want = torch.nn.functional.silu(both[:, :40])
+    kernel(both.data_ptr(), 80, up.data_ptr(), 40, 4000, 40, 1)
+    differ = both[:, :40] != want
+    assert differ[:, 32:].any() and not differ[:, :32].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

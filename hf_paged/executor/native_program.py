@@ -43,7 +43,8 @@ from hf_paged.kernels.cpu.native_gemm import NATIVE_GEMM, NativePackedWeight
 from hf_paged.executor.quant_program import QuantEmbedding, QuantLinear, QuantOp, quant_group
 from hf_paged.model.layers.parallel import linear_of
 from hf_paged.executor.program_reads import RecordedReads
-from hf_paged.executor.program_ops import CallLists, Copy as _Copy, Finish as _Finish, Linear as _Linear, lora_delta_ops
+from hf_paged.executor.program_ops import CallLists, Copy as _Copy, Finish as _Finish, Linear as _Linear, SiluMul as _SiluMul
+from hf_paged.executor.program_ops import lora_delta_ops
 from hf_paged.lora.hooks import hook_of as lora_hook
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,6 @@ class DecodeProgram:
         self._cos, self._sin, self._slots = ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_void_p(0)
         self._tables, self._lens, self._cu, self._ids = (ctypes.c_void_p(0) for _ in range(4))
         self._table_stride, self._num_ids, self._max_q = ctypes.c_int64(0), ctypes.c_int(0), ctypes.c_int(0)
-        self._act: list[torch.Tensor] = []  # [gate rows, up rows] of this step: read by the SiLU-mul op
         self._packing = None
         self._reads = RecordedReads([], [], [], [])  # what the recorded calls read, checked before each replay
         self._keep: list = []
@@ -173,8 +173,6 @@ class DecodeProgram:
         (self._tables.value, self._table_stride.value, self._lens.value, self._cu.value, self._ids.value,
          self._num_ids.value) = step_args.step
         self._max_q.value = step_args.max_q
-        gate_up = self._gate_up[:rows]
-        self._act[:] = (gate_up[:, : self.intermediate], gate_up[:, self.intermediate :])
         ops, head_op = (self._ops if plan is None else self._lora_ops).pick(rows)
         for i, (fn, args) in enumerate(ops):
             if i == head_op and not sampled:  # no sampled row: no LM head (its gather, if any, still runs)
@@ -413,12 +411,8 @@ class DecodeProgram:
                 raise _Unfit("decoder layers of different MLP widths")
             ops.append(gemm_op(gu_pack, gu_bias, Hn, hidden, GU))
             ops += delta_op([linear_of(getattr(mlp, n)) for n in GATE_UP], Hn, [GU[:, :inter], GU[:, inter:]])
-            silu_mul = fused_ops.silu_mul_kernel(dtype)  # the fused forward's C pass, where it takes one
-            if silu_mul is not None:
-                ops.append((silu_mul, (
-                    GU.data_ptr(), 2 * inter, GU.data_ptr() + inter * elem, 2 * inter, self._rows, inter, threads)))
-            else:
-                ops.append((self._silu_mul, ()))
+            silu_mul = _SiluMul(GU, inter, self._rows, threads)  # the fused forward's (C pass or torch's ops)
+            ops.append(silu_mul.direct[:2] if silu_mul.direct and silu_mul.direct[2] is None else (silu_mul, ()))
             ops.extend(linear_ops(mlp.down_proj, GU, 2 * inter, M))
         final = base.norm
         if fused_ops.rms_norm_exact(dtype, hidden):  # the C pass gives the torch module's bits
@@ -462,10 +456,6 @@ class DecodeProgram:
         if self._index is not None:
             total = total.index_select(0, self._index)
         self._h[: total.shape[0]].copy_(self.model.model.norm(total[None])[0])
-
-    def _silu_mul(self) -> None:
-        gate, up = self._act
-        fused_ops.silu_mul_(gate, up)  # the fused forward's, in place
 
 
 def _shape(pack) -> tuple[int, int]:

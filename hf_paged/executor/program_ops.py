@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-from hf_paged.kernels.cpu import call_list, lora_ops
+from hf_paged.kernels.cpu import call_list, fused_ops, lora_ops
 from hf_paged.lora import slots as lora_slots
 from hf_paged.model.layers.parallel import ParallelLinear
 
@@ -111,31 +111,53 @@ def bound(ops: list) -> list:
 
 class CallLists:
     """A recorded step's calls (``(fn, args)`` pairs, the LM head's GEMM at ``head``) ready to replay, twice: each
-    call on its own (:func:`bound`), and with every run of C calls made one (:func:`~hf_paged.kernels.cpu.call_list.join`),
-    for steps of at most :attr:`limit` rows. An op with a ``direct`` attribute (a quantized linear:
-    ``(fn, args, rows)``) is its C call ``fn(*args)`` in the joined list, for steps of at most ``rows`` rows
-    (None: any); above, the op itself runs."""
+    call on its own (:func:`bound`), and with every run of C calls made one (:func:`~hf_paged.kernels.cpu.call_list.join`).
+    An op with a ``direct`` attribute ``(fn, args, serves)`` (a quantized linear, the fp32 SiLU-mul) is its C call
+    ``fn(*args)`` in the joined list, which a step replays where every such op ``serves(rows)`` (None: always);
+    other steps replay the ops themselves."""
 
     def __init__(self, ops: list, head: int) -> None:
         self.calls, self.head = bound(ops), head
-        raw, self.limit = [], None
+        raw, self.serves = [], []
         for fn, args in ops:
             direct = getattr(fn, "direct", None)
             if direct is not None:
-                fn, args, rows = direct
-                self.limit = rows if self.limit is None or rows is None else min(self.limit, rows)
+                fn, args, serves = direct
+                if serves is not None:
+                    self.serves.append(serves)
             raw.append((fn, args))
         self.joined, where = call_list.join(raw, frozenset({head}), convert=c_call)
         self.joined_head = where[head]
-        if len(self.joined) == len(self.calls):  # nothing joined: one list
-            self.joined, self.joined_head, self.limit = self.calls, head, None
+        self._joined_serves: dict[int, bool] = {}  # rows -> whether the joined list serves them
         self.kept = ops  # the arguments point into what the ops hold
 
     def pick(self, rows: int) -> tuple[list, int]:
         """The calls for a step of ``rows`` rows and the index of its LM head's."""
-        if self.limit is None or rows <= self.limit:
-            return self.joined, self.joined_head
-        return self.calls, self.head
+        ok = self._joined_serves.get(rows)
+        if ok is None:
+            ok = self._joined_serves[rows] = all(serves(rows) for serves in self.serves)
+        return (self.joined, self.joined_head) if ok else (self.calls, self.head)
+
+
+class SiluMul:
+    """The MLP's ``gate = silu(gate) * up`` in place on rows of the step's gate|up buffer, as the fused forward
+    computes it (:func:`~hf_paged.kernels.cpu.fused_ops.silu_mul_`); its C call is :attr:`direct` where the C pass
+    serves (``fused_ops.silu_mul_kernel``; in fp32 for the row counts ``fused_ops.silu_f32_serves``)."""
+
+    __name__ = "silu_mul"
+
+    def __init__(self, gate_up: torch.Tensor, inter: int, rows: ctypes.c_int, threads: int) -> None:
+        self.gate_up, self.inter, self.rows = gate_up, inter, rows
+        self.direct = None
+        kernel = fused_ops.silu_mul_kernel(gate_up.dtype)
+        if kernel is not None:
+            ptr, width = gate_up.data_ptr(), gate_up.shape[1]
+            serves = None if gate_up.dtype != torch.float32 else lambda n: fused_ops.silu_f32_serves(n, inter, threads)
+            self.direct = (kernel, (ptr, width, ptr + inter * gate_up.element_size(), width, rows, inter, threads), serves)
+
+    def __call__(self) -> None:
+        n = self.rows.value
+        fused_ops.silu_mul_(self.gate_up[:n, : self.inter], self.gate_up[:n, self.inter :])
 
 
 def c_call(fn, args: tuple) -> tuple:

@@ -80,7 +80,8 @@ class QuantOp:
         self.weight = weight  # held: the interleaved copy of the rows8 kernel lives as long as the op
         args = (x.data_ptr(), x_stride, weight.data_ptr(), FORMATS[layer.fmt], scales, bias, y.data_ptr(), y.shape[1],
                 rows, layer.out_features, layer.in_features, threads)
-        self.direct = (fn, args, self.limit)  # the C call, for steps of at most limit rows (program_ops.CallLists)
+        limit = self.limit  # the C call, for steps of at most limit rows (program_ops.CallLists)
+        self.direct = (fn, args, None if limit is None else lambda rows: rows <= limit)
         # the C call with its arguments converted once, the row count read from the cell (program_ops.bound)
         self._call, self._call_args = c_call(fn, args)
 

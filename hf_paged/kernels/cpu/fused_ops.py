@@ -31,6 +31,7 @@ LIBRARY = NativeLibrary(
         "hfp_rope": (None, [_ptr, _i64, _i32, _ptr, _i64, _i32, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32]),
         "hfp_argmax_rows": (None, [_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i32]),
         "hfp_silu_mul_bf16": (None, [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32]),
+        "hfp_silu_mul_f32": (None, [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32]),
     },
     extra_flags=("-ffp-contract=off",),
     what="the fused CPU layer kernels",
@@ -106,7 +107,7 @@ def argmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gate = silu(gate) * up`` in place, with torch's two roundings: one C pass where :func:`silu_mul_kernel`
-    gives one (bf16; torch's bits), torch's own ops otherwise (fp32 stays exactly the stock model's). Returns
+    gives one (torch's bits; in fp32 only where :func:`silu_f32_serves`), torch's own ops otherwise. Returns
     ``gate``."""
     if gate.dtype == torch.bfloat16:  # the kernel's inputs, checked whichever of the two runs here
         _rows(gate, "gate")
@@ -114,24 +115,50 @@ def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if up.shape != gate.shape or up.dtype != gate.dtype:
             raise ValueError(f"up: expected {tuple(gate.shape)} {gate.dtype} like gate, got {tuple(up.shape)} {up.dtype}")
     kernel = silu_mul_kernel(gate.dtype)
-    if kernel is None:
-        return torch.nn.functional.silu(gate, inplace=True).mul_(up)
+    if kernel is not None and gate.dtype == torch.float32 and not (
+        gate.dim() == 2 and up.shape == gate.shape and up.dtype == gate.dtype and gate.stride(-1) == up.stride(-1) == 1
+        and gate.device.type == up.device.type == "cpu" and silu_f32_serves(*gate.shape, torch.get_num_threads())
+    ):
+        kernel = None
+    if kernel is None:  # torch's silu as the stock model takes it, on a contiguous gate (see silu_f32_serves)
+        if gate.is_contiguous():
+            return torch.nn.functional.silu(gate, inplace=True).mul_(up)
+        return gate.copy_(torch.nn.functional.silu(gate.contiguous())).mul_(up)
     kernel(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), gate.shape[0], gate.shape[1],
            torch.get_num_threads())
     return gate
 
 
 def silu_mul_kernel(dtype: torch.dtype):
-    """The C function :func:`silu_mul_` calls for ``dtype`` (``hfp_silu_mul_bf16(gate, gate_stride, up, up_stride,
-    rows, n, threads)``, strides in elements), or None where torch's ops serve: not bf16, or the kernel does not
-    build or pass its probe here, or is not the faster of the two on this CPU (timed once: both give torch's bits;
-    on AVX-512/AMX hosts the C pass took 60 us where torch took 105 at 64 x 1536, on a Zen 3 236 against 150). The
-    native decode program calls it directly, so both paths decide alike."""
-    if dtype != torch.bfloat16 or not silu_mul_available():
+    """The C function :func:`silu_mul_` calls for ``dtype`` (``hfp_silu_mul_bf16`` / ``hfp_silu_mul_f32(gate,
+    gate_stride, up, up_stride, rows, n, threads)``, strides in elements), or None where torch's ops serve: not
+    bf16 or fp32, or the kernel does not build or pass its probe here, or is not the faster of the two on this
+    CPU (timed once: both give torch's bits; bf16 on AVX-512/AMX hosts: 60 us where torch took 105 at 64 x 1536, on
+    a Zen 3 236 against 150). The native decode program calls it directly, so both paths decide alike."""
+    if dtype not in _SILU_KERNELS or not silu_mul_available(dtype):
         return None
+    kernel = getattr(LIBRARY.load(), _SILU_KERNELS[dtype])
     if _SILU_FASTER.get(dtype) is None:
-        _SILU_FASTER[dtype] = _silu_is_faster(LIBRARY.load().hfp_silu_mul_bf16, dtype)
-    return LIBRARY.load().hfp_silu_mul_bf16 if _SILU_FASTER[dtype] else None
+        _SILU_FASTER[dtype] = _silu_is_faster(kernel, dtype)
+    return kernel if _SILU_FASTER[dtype] else None
+
+
+# torch's fp32 silu is its exp (Sleef's) only in its vectorized loop, which steps two vectors at a time (AVX-512:
+# 32 floats) from the start of each thread's range; at least GRAIN elements a thread (at::internal::GRAIN_SIZE)
+_TORCH_STEP, _TORCH_GRAIN = 32, 32768
+_SILU_KERNELS = {torch.bfloat16: "hfp_silu_mul_bf16", torch.float32: "hfp_silu_mul_f32"}
+
+
+def silu_f32_serves(rows: int, n: int, threads: int) -> bool:
+    """Whether the fp32 kernel gives torch's bits for a ``[rows, n]`` gate: where torch's silu (in place on the
+    gate's rows, or on the stock model's contiguous gate) runs every element through its vectorized loop, i.e. rows
+    and each of its threads' ranges (``ceil(rows * n / threads used)`` elements, as ``at::parallel_for`` splits
+    them) are whole steps. Its scalar remainder takes libm's exp, whose bits differ for ~0.2% of inputs; which
+    elements take it depends on the gate's layout, so elsewhere :func:`silu_mul_` runs torch's silu on a contiguous
+    gate, the stock model's (in place on the strided rows it differed for some widths and thread splits)."""
+    numel = rows * n
+    used = max(1, min(threads, -(-numel // _TORCH_GRAIN)))
+    return n % _TORCH_STEP == 0 and (used == 1 or (-(-numel // used)) % _TORCH_STEP == 0)
 
 
 _SILU_FASTER: dict[torch.dtype, bool] = {}
@@ -163,9 +190,9 @@ def _silu_is_faster(kernel, dtype: torch.dtype, rows: int = 64, n: int = 1536, c
     return timings["ours"] < timings["torch"]
 
 
-def silu_mul_available() -> bool:
-    """Whether the bf16 SiLU-mul kernel builds here and agrees with torch's (probed once)."""
-    return probes.probe(PROBE_SILU, torch.bfloat16).ok
+def silu_mul_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the SiLU-mul kernel of ``dtype`` builds here and agrees with torch's (probed once)."""
+    return probes.probe(PROBE_SILU, dtype).ok
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
@@ -290,10 +317,12 @@ def _probe_argmax(dtype: torch.dtype) -> None:
 def _probe_silu(dtype: torch.dtype) -> None:
     """Strided rows of a gate|up buffer (the GEMM's output), a tail past the vector width, the values where exp
     overflows or vanishes, infinities and NaN, against torch's silu-then-mul."""
-    if dtype != torch.bfloat16:
-        raise NotImplementedError(f"the SiLU-mul kernel takes torch.bfloat16, not {dtype}")
+    if dtype not in _SILU_KERNELS:
+        raise NotImplementedError(f"the SiLU-mul kernel takes torch.bfloat16 or torch.float32, not {dtype}")
     if LIBRARY.load() is None:
         raise RuntimeError(LIBRARY.why or "the fused kernels could not be built")
+    if dtype == torch.float32:
+        return _probe_silu_f32()
     g = torch.Generator().manual_seed(2)
     rows, n = 70, 997
     both = (torch.randn(rows, 2 * n, generator=g) * 4).to(dtype)
@@ -309,6 +338,28 @@ def _probe_silu(dtype: torch.dtype) -> None:
     if (got == want).logical_or(got.isnan()).float().mean() < 0.999:
         raise probes.ProbeMismatch("fused SiLU-mul: more than 1 in 1000 results differ from torch's")
     probes.check_close(got[1:], want[1:], "fused SiLU-mul")
+
+
+
+def _probe_silu_f32() -> None:
+    """fp32: bitwise torch's, NaN where torch's is NaN, on shapes torch vectorizes throughout (one thread's range;
+    two threads' ranges splitting a row), with the values around exp's limits, denormals, infinities and NaN."""
+    g = torch.Generator().manual_seed(2)
+    threads = torch.get_num_threads()
+    for rows, n in ((3, 96), (71, 1024)):
+        if not silu_f32_serves(rows, n, threads):
+            continue
+        both = torch.randn(rows, 2 * n, generator=g) * 6
+        both[0, :12] = torch.tensor([-200.0, -104.5, -103.9, -88.5, 100.5, 99.9, 1e-40, -1e-45, float("inf"),
+                                     float("-inf"), float("nan"), -0.0])
+        want = torch.nn.functional.silu(both[:, :n].clone()).mul_(both[:, n:])
+        got = both.clone()
+        LIBRARY.load().hfp_silu_mul_f32(got.data_ptr(), got.stride(0), got.data_ptr() + n * 4, got.stride(0), rows, n,
+                                        threads)
+        got = got[:, :n]
+        if not (torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())):
+            bad = (got != want).logical_and(~want.isnan()).nonzero()[:4].tolist()
+            raise probes.ProbeMismatch(f"fp32 SiLU-mul {rows} x {n}: results at {bad} differ from torch's")
 
 
 probes.register(PROBE, _probe)
