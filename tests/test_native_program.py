@@ -311,7 +311,7 @@ def test_bound_c_calls_convert_their_arguments_once_and_read_the_cells_at_each_c
 def test_recorded_reads_notice_every_kind_of_change():
     """The bulk checks of what a recording read: a replaced object, a tensor's new version or storage, a changed
     setting, a LoRA slot other than the allowed one (None and the allowed slot both pass), a packed group whose
-    member changed (its exact check re-packs it) or whose pack was replaced."""
+    member changed or whose pack was replaced."""
     from types import SimpleNamespace
 
     from hf_paged.executor.native_program import _seen
@@ -323,29 +323,12 @@ def test_recorded_reads_notice_every_kind_of_change():
     allowed = object()
     layer = SimpleNamespace(lora=None)
 
-    class Group:  # a packed group as PackedGroup keeps it: members' parameter dicts and what they held
-        def __init__(self):
-            self.member = torch.nn.Linear(2, 2)
-            self._params = [self.member._parameters]
-            self.repacks = 0
-            self._pack()
-
-        def _pack(self):
-            wt, b = self.member.weight, self.member.bias
-            self.sources = [(wt, wt._version, wt.data_ptr(), b, b._version, b.data_ptr())]
-            self.pack = object()
-
-        def usable(self):
-            wt = self.member.weight
-            if (wt, wt._version, wt.data_ptr()) != self.sources[0][:3]:
-                self._pack()
-                self.repacks += 1
-            return True
-
-    group = Group()
+    member = torch.nn.Linear(2, 2)
+    group = SimpleNamespace(pack=object())  # a packed group: the pack the calls read
 
     def reads():
-        seen = [_seen(modules, "sub"), _seen(modules, "bias"), _seen(params, "weight")]
+        seen = [_seen(modules, "sub"), _seen(modules, "bias"), _seen(params, "weight"),
+                _seen(member._parameters, "weight"), _seen(member._parameters, "bias")]  # the group's member
         return RecordedReads(seen, [(norm, "variance_epsilon", 1e-5)], [(layer, allowed)], [(group, group.pack)])
 
     r = reads()
@@ -372,8 +355,9 @@ def test_recorded_reads_notice_every_kind_of_change():
         assert not r.valid(), f"change {i} went unnoticed"
         modules.update(sub=sub, bias=None)
         norm.variance_epsilon = 1e-5
-    r = reads()
-    with torch.no_grad():
-        group.member.weight.mul_(2)
-    assert not r.valid() and group.repacks == 1, "a changed member is re-packed, the recording is stale"
+    for change in (lambda: member.weight.mul_(2), lambda: setattr(member, "bias", torch.nn.Parameter(torch.ones(2)))):
+        r = reads()
+        with torch.no_grad():
+            change()
+        assert not r.valid(), "a changed group member: the recording is stale (recording again re-packs the group)"
     assert reads().valid()

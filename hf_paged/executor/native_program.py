@@ -310,6 +310,9 @@ class DecodeProgram:
             group = None if packing is None else packing.group(parent, names)
             if group is None:
                 raise _Unfit(f"{type(parent).__name__} {'/'.join(names)} are not packed as one weight")
+            for n in names:  # the members' tensors the pack was made of, and the pack
+                params = getattr(parent, n)._parameters
+                seen.extend((_seen(params, "weight"), _seen(params, "bias")))
             groups.append((group, group.pack))
             return group.pack, group.bias
 
