@@ -91,6 +91,7 @@ def test_a_failing_kernel_stops_the_run_and_is_named():
 def test_every_kernel_of_the_program_has_a_runner_case():
     table = call_list.runner().signatures
     libs = [(native_gemm.NATIVE_GEMM, ("hfp_gemm", "hfp_gemm_bf16")), (quant_linear.QUANT_GEMM, ("hfq_linear",)),
+            (quant_linear.QUANT_Q8, ("hfq8_linear",)), (quant_linear.QUANT_BF16, ("hfqb_linear", "hfqb_linear_bf16")),
             (fused_ops.LIBRARY, ("hfp_rms_norm", "hfp_rope", "hfp_silu_mul_bf16", "hfp_silu_mul_f32")),
             (attention.LIBRARY, ("hfp_store_kv", "hfp_store_kv_int8", "hfp_paged_attention")),
             (lora_ops.LIBRARY, ("hfp_lora_bgmv_call",))]
@@ -116,9 +117,10 @@ def test_call_lists_keep_ops_whole_for_the_row_counts_their_c_call_does_not_serv
     lists = CallLists([_norm_call(x, w, out, rows), (op, ()), _norm_call(x, w, out, rows)], head=2)
     joined, head = lists.pick(2)
     assert len(joined) == 2 and head == 1 and joined[0][0].names == ["hfp_rms_norm"] * 2
-    calls, head = lists.pick(3)
+    calls, head = lists.pick(3)  # the op itself between the other calls
     assert len(calls) == 3 and head == 2 and calls[1][0] is op
-    assert lists.pick(2)[0] is joined and lists._joined_serves == {2: True, 3: False}  # asked once per row count
+    assert lists.pick(2)[0] is joined and set(lists._by_rows) == {2, 3}  # asked once per row count
+    assert lists.pick(3)[0] is calls
 
 
 @pytest.mark.parametrize("dtype,kv,inter", [(torch.float32, "auto", 128), (torch.bfloat16, "auto", 128),
@@ -140,6 +142,9 @@ def test_program_logits_are_those_of_its_direct_calls(monkeypatch, dtype, kv, in
             lists = program._ops
             short = len(lists.joined) < len(lists.calls) / 3  # the C calls joined: a few Python ops between them
             assert short == (joined == "1"), (len(lists.joined), len(lists.calls))
-            assert lists.pick(1)[0] is (lists.joined if inter % 32 == 0 else lists.calls)
+            picked, head = lists.pick(1)  # 136: every SiLU-mul its Python op between the runs of C calls
+            assert (picked is lists.joined) == (inter % 32 == 0)
+            names = [getattr(fn, "__name__", "") for fn, _ in picked]
+            assert names[head] in ("hfp_gemm", "hfp_gemm_bf16") and names.count("silu_mul") == (inter % 32 != 0) * 2
             results.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
     assert results[0] == results[1]

@@ -110,33 +110,37 @@ def bound(ops: list) -> list:
 
 
 class CallLists:
-    """A recorded step's calls (``(fn, args)`` pairs, the LM head's GEMM at ``head``) ready to replay, twice: each
-    call on its own (:func:`bound`), and with every run of C calls made one (:func:`~hf_paged.kernels.cpu.call_list.join`).
+    """A recorded step's calls (``(fn, args)`` pairs, the LM head's GEMM at ``head``) ready to replay: each call on
+    its own (:attr:`calls`, :func:`bound`), and with every run of C calls made one (:func:`~hf_paged.kernels.cpu.call_list.join`).
     An op with a ``direct`` attribute ``(fn, args, serves)`` (a quantized linear, the fp32 SiLU-mul) is its C call
-    ``fn(*args)`` in the joined list, which a step replays where every such op ``serves(rows)`` (None: always);
-    other steps replay the ops themselves."""
+    ``fn(*args)`` in the joined calls of a step where ``serves(rows)`` (None: always), else the op itself, between
+    runs: :meth:`pick` joins the calls once per pattern of which ops serve (:attr:`joined`: all of them)."""
 
     def __init__(self, ops: list, head: int) -> None:
         self.calls, self.head = bound(ops), head
-        raw, self.serves = [], []
-        for fn, args in ops:
-            direct = getattr(fn, "direct", None)
-            if direct is not None:
-                fn, args, serves = direct
-                if serves is not None:
-                    self.serves.append(serves)
-            raw.append((fn, args))
-        self.joined, where = call_list.join(raw, frozenset({head}), convert=c_call)
-        self.joined_head = where[head]
-        self._joined_serves: dict[int, bool] = {}  # rows -> whether the joined list serves them
         self.kept = ops  # the arguments point into what the ops hold
+        self._direct = [getattr(fn, "direct", None) for fn, _ in ops]
+        self._checked = [i for i, d in enumerate(self._direct) if d is not None and d[2] is not None]
+        self._by_served: dict[frozenset, tuple[list, int]] = {}
+        self._by_rows: dict[int, tuple[list, int]] = {}
+        self.joined, self.joined_head = self._joined(frozenset(self._checked))
+
+    def _joined(self, served: frozenset) -> tuple[list, int]:
+        got = self._by_served.get(served)
+        if got is None:
+            raw = [(d[0], d[1]) if d is not None and (d[2] is None or i in served) else op
+                   for i, (op, d) in enumerate(zip(self.kept, self._direct))]
+            calls, where = call_list.join(raw, frozenset({self.head}), convert=c_call)
+            got = self._by_served[served] = (calls, where[self.head])
+        return got
 
     def pick(self, rows: int) -> tuple[list, int]:
         """The calls for a step of ``rows`` rows and the index of its LM head's."""
-        ok = self._joined_serves.get(rows)
-        if ok is None:
-            ok = self._joined_serves[rows] = all(serves(rows) for serves in self.serves)
-        return (self.joined, self.joined_head) if ok else (self.calls, self.head)
+        got = self._by_rows.get(rows)
+        if got is None:
+            served = frozenset(i for i in self._checked if self._direct[i][2](rows))
+            got = self._by_rows[rows] = self._joined(served)
+        return got
 
 
 class SiluMul:

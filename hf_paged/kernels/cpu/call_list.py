@@ -26,8 +26,9 @@ LIBRARY = NativeLibrary(
 )
 _LETTERS = {ctypes.c_void_p: "p", ctypes.c_int64: "l", ctypes.c_int: "i", ctypes.c_float: "f", None: "v"}
 _CELL_SIZES = {"p": 8, "l": 8, "i": 4}  # the bytes the runner reads from a cell of that letter
-# ctypes objects a pointer argument passes by address: arrays, structures, pointers, byref()
-_BY_ADDRESS = (ctypes.Array, ctypes.Structure, ctypes.Union, ctypes._Pointer, type(ctypes.byref(ctypes.c_int())))
+# ctypes objects a pointer argument passes by their fixed address: arrays and byref() (a pointer object is left
+# out: a direct call would pass what it points to at that call)
+_BY_ADDRESS = (ctypes.Array, type(ctypes.byref(ctypes.c_int())))
 
 
 class _Arg(ctypes.Union):
@@ -90,9 +91,17 @@ def _fill(call, sig: str, args: tuple) -> bool:
                 return False
             call.a[j].f = float(a)
         elif letter == "p" and isinstance(a, _BY_ADDRESS):  # the address ctypes would pass
-            call.a[j].i = ctypes.cast(a, ctypes.c_void_p).value or 0
-        elif a is None or (isinstance(a, int) and not isinstance(a, bool)):
-            call.a[j].i = 0 if a is None else a if letter != "i" else ctypes.c_int(a).value
+            try:
+                call.a[j].i = ctypes.cast(a, ctypes.c_void_p).value or 0
+            except (TypeError, ctypes.ArgumentError):
+                return False
+        elif letter == "p" and a is None:
+            call.a[j].i = 0
+        elif isinstance(a, int) and not isinstance(a, bool):
+            try:  # as ctypes converts it (an int argument keeps its low 32 bits)
+                call.a[j].i = ctypes.c_int(a).value if letter == "i" else ctypes.c_int64(a).value
+            except TypeError:
+                return False
         else:
             return False
     call.cells = cells
@@ -122,7 +131,8 @@ def join(calls: list, apart: frozenset = frozenset(), convert=lambda fn, args: (
             array = (run.Call * len(pending))()
             for call, (fn, args, sig) in zip(array, pending):
                 call.fn, call.sig = ctypes.cast(fn, ctypes.c_void_p).value, run.signatures[sig]
-                assert _fill(call, sig, args)
+                if not _fill(call, sig, args):  # checked when the call joined the run
+                    raise RuntimeError(f"{getattr(fn, '__name__', fn)}: arguments the runner cannot pass")
             twin = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)(run.address)
             at = ctypes.c_int(-1)
             twin.names, twin.at, twin.array = [getattr(fn, "__name__", str(fn)) for fn, _, _ in pending], at, array

@@ -51,6 +51,10 @@ typedef int64_t L;
 int hfp_run_calls(const hfp_call* calls, int n, int* failed_at) {
     for (int k = 0; k < n; ++k) {
         const hfp_call* c = &calls[k];
+        if (c->sig < 0 || c->sig >= NUM_SIGNATURES) {
+            *failed_at = k;
+            return -1000;
+        }
         const char* sig = SIGNATURES[c->sig];
         int64_t v[HFP_MAX_ARGS];
         for (int j = 0; sig[j + 1]; ++j) {
@@ -99,7 +103,7 @@ int hfp_run_calls(const hfp_call* calls, int n, int* failed_at) {
         case 8:
             rc = ((int (*)(P, P, int))c->fn)(A_P(0), A_P(1), A_I(2));
             break;
-        default:
+        default: /* a signature without its case: never skipped silently */
             rc = -1000;
         }
         if (rc) {

@@ -426,7 +426,8 @@ static inline vaf silu_of(const uint16_t* g) {
  * The same in fp32, gate[r] = (g / (1 + exp(-g))) * up[r], with torch's bits where torch computes silu with its
  * vectorized exp: Sleef's expf_u10 (AVX2 and AVX-512 builds of torch; both with FMA), reproduced step by step
  * below: q = rint(d / ln 2), s = d - q ln 2 in two FMAs, a degree-6 polynomial in FMAs, the scale by 2^q in two
- * halves, 0 below -104 and inf above 100 (all 2^32 fp32 inputs gave torch's silu bits on both builds). torch's
+ * halves, 0 below -104 and inf above 100 (all 2^32 fp32 inputs gave torch's silu bits on both builds, a NaN
+ * input a NaN, its bits not compared: here a NaN lane is zeroed before q, Sleef's q is INT_MIN). torch's
  * scalar loop (its remainder past a multiple of two vectors in a row or a thread's range) uses libm's expf, which
  * differs in ~0.2% of inputs: the caller (fused_ops.silu_f32_serves) only calls this where torch's loop would be
  * vectorized throughout.
