@@ -107,7 +107,7 @@ def test_final_norm_is_a_c_pass_only_where_it_gives_the_modules_bits(monkeypatch
         with PagedGenerator(model, num_blocks=32, max_num_seqs=3, enforce_eager=eager, **NATIVE) as engine:
             if not eager:
                 program = engine.executor.runner.fast
-                names = {getattr(fn, "__name__", "") for fn, _ in program._ops.calls}
+                names = {getattr(fn, "__name__", "") for fn, _ in program._ops.joined}
                 assert ("_gather_sampled" in names) == exact and ("_final_norm" in names) != exact
             outs = engine.generate(prompts, params, use_tqdm=False)
             results.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
@@ -285,11 +285,11 @@ def test_close_lets_the_kv_pool_go():
 
 
 def test_bound_c_calls_convert_their_arguments_once_and_read_the_cells_at_each_call():
-    """program_ops.bound: a C function's Python ints and floats become ctypes values once, the step's cells stay
+    """program_ops.c_call: a C function's Python ints and floats become ctypes values once, the step's cells stay
     cells (read when called), other ops pass as they are; the twin keeps the address, the name and the restype."""
     import ctypes
 
-    from hf_paged.executor.program_ops import bound
+    from hf_paged.executor.program_ops import c_call
 
     lib = fused_ops.LIBRARY.load()
     x, w = torch.randn(4, 40), torch.rand(40) + 0.5
@@ -298,7 +298,7 @@ def test_bound_c_calls_convert_their_arguments_once_and_read_the_cells_at_each_c
     args = (x.data_ptr(), 40, None, 0, None, 0, w.data_ptr(), out.data_ptr(), 40, rows, 40, 1e-5, 0,
             fused_ops.torch_sum_lanes(), 1)
     python_op = (lambda: None, ())
-    (fn, converted), same = bound([(lib.hfp_rms_norm, args), python_op])
+    (fn, converted), same = c_call(lib.hfp_rms_norm, args), c_call(*python_op)
     assert same[0] is python_op[0] and fn.__name__ == "hfp_rms_norm" and fn.argtypes is None and fn.restype is None
     assert converted[9] is rows and isinstance(converted[11], ctypes.c_float) and converted[2].value is None
     want = fused_ops.rms_norm(x, w, 1e-5)[0]

@@ -415,7 +415,7 @@ class DecodeProgram:
             ops.append(gemm_op(gu_pack, gu_bias, Hn, hidden, GU))
             ops += delta_op([linear_of(getattr(mlp, n)) for n in GATE_UP], Hn, [GU[:, :inter], GU[:, inter:]])
             silu_mul = _SiluMul(GU, inter, self._rows, threads)  # the fused forward's (C pass or torch's ops)
-            ops.append(silu_mul.direct[:2] if silu_mul.direct and silu_mul.direct[2] is None else (silu_mul, ()))
+            ops.append((silu_mul, ()))  # its C call in the joined calls wherever that serves (CallLists)
             ops.extend(linear_ops(mlp.down_proj, GU, 2 * inter, M))
         final = base.norm
         if fused_ops.rms_norm_exact(dtype, hidden):  # the C pass gives the torch module's bits
@@ -443,7 +443,7 @@ class DecodeProgram:
         self._reads = RecordedReads(seen, scalars, lora_checks, groups)
         self._modules = skipped_modules(model)
         self._packing = packing
-        self.head_dim, self.intermediate, self.threads = D, inter, threads
+        self.head_dim, self.threads = D, threads
         self.capacity, self.logits_capacity = capacity, logits_capacity
 
     def _gather_sampled(self) -> None:

@@ -98,26 +98,15 @@ class Finish:
             self.out[:n].copy_(done)
 
 
-def bound(ops: list) -> list:
-    """``ops`` (``(fn, args)`` pairs) with every C function's arguments converted to ``ctypes`` values once, as its
-    ``argtypes`` would convert them at each call, and the function called through a twin without ``argtypes``
-    (same address, same ``restype``): ``ctypes`` then passes the values as they are. The step's cells (``c_int``
-    and ``c_void_p`` objects the program sets before a replay) stay themselves, so a call still reads their
-    current values, and any other ``ctypes`` object (an array the C function reads) passes as it is. A 15-argument
-    call took 4.1 us instead of 5.9 on a Zen 3, ~300 of them a decode step; other ops pass unchanged."""
-    return [c_call(fn, args) for fn, args in ops]
-
-
-
 class CallLists:
-    """A recorded step's calls (``(fn, args)`` pairs, the LM head's GEMM at ``head``) ready to replay: each call on
-    its own (:attr:`calls`, :func:`bound`), and with every run of C calls made one (:func:`~hf_paged.kernels.cpu.call_list.join`).
+    """A recorded step's calls (``(fn, args)`` pairs, the LM head's GEMM at ``head``) ready to replay, every run of C
+    calls made one (:func:`~hf_paged.kernels.cpu.call_list.join`), the calls left converted by :func:`c_call`.
     An op with a ``direct`` attribute ``(fn, args, serves)`` (a quantized linear, the fp32 SiLU-mul) is its C call
     ``fn(*args)`` in the joined calls of a step where ``serves(rows)`` (None: always), else the op itself, between
     runs: :meth:`pick` joins the calls once per pattern of which ops serve (:attr:`joined`: all of them)."""
 
     def __init__(self, ops: list, head: int) -> None:
-        self.calls, self.head = bound(ops), head
+        self.head = head
         self.kept = ops  # the arguments point into what the ops hold
         self._direct = [getattr(fn, "direct", None) for fn, _ in ops]
         self._checked = [i for i, d in enumerate(self._direct) if d is not None and d[2] is not None]
@@ -165,7 +154,12 @@ class SiluMul:
 
 
 def c_call(fn, args: tuple) -> tuple:
-    """``(twin, converted args)`` of a C function with ``argtypes`` (see :func:`bound`), else ``(fn, args)``."""
+    """``(twin, converted args)`` of a C function with ``argtypes``, else ``(fn, args)``: its arguments converted to
+    ``ctypes`` values once, as its ``argtypes`` would convert them at each call, and the function called through a
+    twin without ``argtypes`` (same address, same ``restype``): ``ctypes`` then passes the values as they are. The
+    step's cells (``c_int`` and ``c_void_p`` objects the program sets before a replay) stay themselves, so a call
+    still reads their current values, and any other ``ctypes`` object passes as it is. A 15-argument call took 4.1
+    us instead of 5.9 on a Zen 3."""
     types = getattr(fn, "argtypes", None) if isinstance(fn, ctypes._CFuncPtr) else None
     if not types or len(types) != len(args):
         return fn, args

@@ -82,7 +82,7 @@ class QuantOp:
                 rows, layer.out_features, layer.in_features, threads)
         limit = self.limit  # the C call, for steps of at most limit rows (program_ops.CallLists)
         self.direct = (fn, args, None if limit is None else lambda rows: rows <= limit)
-        # the C call with its arguments converted once, the row count read from the cell (program_ops.bound)
+        # the C call with its arguments converted once, the row count read from the cell (program_ops.c_call)
         self._call, self._call_args = c_call(fn, args)
 
     def __call__(self) -> int:

@@ -340,7 +340,6 @@ def _probe_silu(dtype: torch.dtype) -> None:
     probes.check_close(got[1:], want[1:], "fused SiLU-mul")
 
 
-
 def _probe_silu_f32() -> None:
     """fp32: bitwise torch's, NaN where torch's is NaN, on shapes torch vectorizes throughout (one thread's range;
     two threads' ranges splitting a row), with the values around exp's limits, denormals, infinities and NaN."""
