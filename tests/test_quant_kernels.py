@@ -108,6 +108,33 @@ def test_int8_mode_rows_do_not_depend_on_the_batch_and_forward_uses_it():
     big = torch.randn(40, 128, generator=torch.Generator().manual_seed(5))  # above 16 rows (AMX tiles where present)
     assert torch.equal(layer(big)[20:], layer(big[20:]))
     assert torch.equal(layer(big)[3:25], layer(big[3:25]))
+    assert torch.equal(layer(big)[5:9], layer(big[5:9]))  # across the AMX threshold: 40 rows against 4
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int8_kernels_give_a_row_the_same_bits_in_every_build_and_batch(fmt):
+    """The block kernel (its vector path up to 16 rows, AMX tiles above where the host has them), the rows8 kernel
+    (VNNI or VPMADDUBSW sums, AMX above 16 rows from its own copy) and every build (host, without AMX, AVX2 only)
+    compute each output by the same operations in the same order: a row's result is one set of bits whichever
+    kernel, build and batch size serve it. (AMX hosts once gave a row other bits at 17 rows and more.)"""
+    layer, ref = _case(fmt, n=45, k=160, seed=11)
+    x = torch.randn(40, 160, generator=torch.Generator().manual_seed(12))
+    want = None
+    for lib in Q8_LIBS:
+        native = _load(Q8_LIBS, lib)
+        kernels = [(native.hfq8_linear, None)]
+        if native.hfq8i_available():
+            kernels.append((native.hfq8i_linear, _rows8(native, layer)))
+        for fn, weight in kernels:
+            full = layer._call(fn, x, weight=weight)
+            if want is None:
+                want = full
+                torch.testing.assert_close(full.double(), F.linear(quantize_activations(x).double(), ref,
+                                                                   layer.bias.double()), atol=1e-4, rtol=1e-5)
+            assert torch.equal(full, want), (lib, fn)
+            for rows in (1, 5, 16, 17):
+                assert torch.equal(layer._call(fn, x[:rows], weight=weight), want[:rows]), (lib, fn, rows)
+            assert torch.equal(layer._call(fn, x[19:40], weight=weight), want[19:40]), (lib, fn)
 
 
 def _rows8(native, layer):
@@ -194,7 +221,7 @@ def test_layer_picks_one_int8_kernel_for_every_batch_and_follows_weight_changes(
         assert weight is (layer.qweight if layout == "blocks" else quant_layout.rows8_copy(layer, native))
         got[layout] = layer(x)
         assert torch.equal(got[layout][2:3], layer(x[2:3]))
-    torch.testing.assert_close(got["rows8"], got["blocks"], atol=1e-4, rtol=1e-5)
+    assert torch.equal(got["rows8"], got["blocks"])  # the same operations per output
     monkeypatch.setenv(quant_layout.ROWS8_ENV, "rows8")
     monkeypatch.setattr(quant_layout, "_chosen", {})
     before = layer(x)

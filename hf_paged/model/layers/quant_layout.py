@@ -2,8 +2,10 @@
 
 In ``quant_activations="int8"`` mode a :class:`~hf_paged.model.layers.quant_linear.QuantLinear` runs one of two C
 kernels: ``hfq8_linear`` on the stored GGUF-layout blocks (``csrc/quant_q8.c``; VNNI/AMX where present), or
-``hfq8i_linear`` on a copy of the weight with 8 output rows interleaved (``csrc/quant_q8_rows8.h``; AVX2 without
-VNNI). :func:`rows8_chosen` decides once per process per weight family; :func:`rows8_copy` makes the copy.
+``hfq8i_linear`` on a copy of the weight with 8 output rows interleaved (``csrc/quant_q8_rows8.h``; VPMADDUBSW
+sums without VNNI, VPDPBUSD with it, AMX above 16 rows). Both compute every output by the same operations in the
+same order, so a row's bits are the same whichever runs. :func:`rows8_chosen` decides once per process per weight
+family by speed; :func:`rows8_copy` makes the copy.
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ logger = logging.getLogger(__name__)
 
 ROWS8_ENV = "HF_PAGED_Q8_LAYOUT"  # "rows8" / "blocks": force the int8-mode kernel (default: timed per weight family)
 # the formats whose int8-mode kernel is chosen together, and the format timed for each family. The int8 format
-# (per-row scales, quantized at start) keeps the block kernel: with the rows8 kernel the engine's greedy tokens
-# on an int8-quantized model left stock generate's on the same layers in one test (a 1% logit gap), though each
-# layer matched the reference, every batch split and its joined q/k/v group; not understood yet.
+# (per-row scales, quantized at start) keeps the block kernel: its rows8 copy was no faster at one row on a Xeon
+# (2026-12-03). Both kernels give every output the same bits (csrc/quant_q8_rows8.h), so the choice is speed only.
 FAMILIES = {"q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0", "int8": None}
 _chosen: dict[str, bool] = {}
 
@@ -32,12 +33,13 @@ def rows8_chosen(fmt: str, lib) -> bool:
     """Whether int8-mode linears of format ``fmt`` run the rows8 kernel on an interleaved copy of the weight
     (``csrc/quant_q8_rows8.h``) rather than ``hfq8_linear`` on the stored blocks.
 
-    Decided once per process for each weight family (4-bit: Q4_0/Q4_1; Q8_0), for every batch size
-    (so a row's result does not depend on the batch): by ``HF_PAGED_Q8_LAYOUT`` if set, else by timing both
-    kernels at one and at 32 rows on a default-model-sized weight of the family (kept across runs in
-    :mod:`hf_paged.kernels.cpu.tuning_store`). Without VNNI the rows8 kernel was 2.2-3.7x faster per call on
-    Q4_1 on a Zen 3 host; with VNNI or AMX the block kernel may win, hence the timing. ``lib``: the int8-mode
-    C library in use (a build of ``quant_q8.c``), or None.
+    Decided once per process for each weight family (4-bit: Q4_0/Q4_1; Q8_0), for every batch size: by
+    ``HF_PAGED_Q8_LAYOUT`` if set, else by timing both kernels at one and at 32 rows on a default-model-sized
+    weight of the family (kept across runs in :mod:`hf_paged.kernels.cpu.tuning_store`). Both give each output the
+    same bits, so the choice changes speed and memory (the copy sits beside ``qweight``), never a result. Without
+    VNNI the rows8 kernel was 2.2-3.7x faster per call on Q4_1 on a Zen 3 host; with VNNI and AMX both use the
+    same instructions, hence the timing. ``lib``: the int8-mode C library in use (a build of ``quant_q8.c``), or
+    None.
     """
     family = FAMILIES[fmt]
     if family is None:

@@ -1,9 +1,10 @@
 /*
  * Batches above 16 rows with int8 activations on CPUs with AMX-INT8 (included by quant_q8.c): each 16 x 16 tile of
  * outputs (16 weight rows by 16 x rows) takes one TDPBSSD per 32-weight block, A = the 16 weight rows' int8 quants
- * (nibbles widened to bytes first: Q4_1's 0..15, Q4_0's q - 8), B = the 16 x rows' quants in AMX's VNNI layout;
- * the exact int32 block sums are then scaled by d_w * d_x (and Q4_1 adds m_w * d_x * sum(q_x)) into fp32 sums,
- * as the vector path does per block. Linux asks the kernel for the AMX state once (arch_prctl); where it refuses,
+ * (nibbles widened to bytes first: 0..15), B = the 16 x rows' quants in AMX's VNNI layout; the exact int32 block
+ * sums are then scaled by d_w * d_x (and the 4-bit formats add m_w * d_x * sum(q_x), Q4_0's m = -8 d) into fp32
+ * sums, the operations and order of the vector paths (quant_q8.c's tile, the rows8 kernel): a row's bits do not
+ * depend on which of them its batch takes. Linux asks the kernel for the AMX state once (arch_prctl); where it refuses,
  * the vector path serves.
  */
 #if HAVE_AMX_TILE && defined(__AMX_INT8__)
@@ -57,14 +58,14 @@ static void amx_pack_w(int fmt, const uint8_t* w, size_t row_bytes, int nr, int 
             }
             if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
                 const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + off)), mask = _mm_set1_epi8(15);
-                __m256i n = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-                if (fmt == FMT_Q4_0) n = _mm256_sub_epi8(n, _mm256_set1_epi8(8));
+                const __m256i n =
+                    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
                 _mm256_storeu_si256((__m256i*)dst, n);
             } else {
                 memcpy(dst, blk + off, QK);
             }
             dw[b * AT + r] = fmt == FMT_INT8 ? 1.0f : h2f(blk);
-            mw[b * AT + r] = fmt == FMT_Q4_1 ? h2f(blk + 2) : 0.0f;
+            mw[b * AT + r] = block_m(fmt, blk);
         }
 }
 
@@ -77,14 +78,19 @@ static inline void amx_scale(int fmt, const int32_t* c, int g, int cnt, int nr, 
         for (int r = 0; r < nr; ++r) {
             const __m512 f = _mm512_cvtepi32_ps(_mm512_load_si512(c + (u * AT + r) * AT));
             acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dx, _mm512_set1_ps(dw[b * AT + r])), acc[r]);
-            if (fmt == FMT_Q4_1) acc[r] = _mm512_fmadd_ps(xs, _mm512_set1_ps(mw[b * AT + r]), acc[r]);
+            if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) acc[r] = _mm512_fmadd_ps(xs, _mm512_set1_ps(mw[b * AT + r]), acc[r]);
         }
     }
 }
 
-/* y as hfq8_linear, from x already quantized (q, d, s); -2 when scratch cannot be allocated */
-static int amx_linear(const int8_t* q, const float* d, const float* s, const uint8_t* w, int fmt, const float* scales,
-                      const float* bias, float* y, int64_t ldy, int M, int N, int K, int num_threads) {
+/* the weight tile from the rows8 copy instead (quant_q8_rows8.h) */
+static void amx_pack_w_rows8(int fmt, const uint8_t* wi, int nb, int N, int n0, int8_t* a, float* dw, float* mw);
+
+/* y as hfq8_linear, from x already quantized (q, d, s), on the GGUF blocks w or (rows8) the interleaved copy of
+ * quant_q8_rows8.h; -2 when scratch cannot be allocated */
+static int amx_linear(const int8_t* q, const float* d, const float* s, const uint8_t* w, int fmt, int rows8,
+                      const float* scales, const float* bias, float* y, int64_t ldy, int M, int N, int K,
+                      int num_threads) {
     const int nb = K / QK, xtiles = (M + AT - 1) / AT, wtiles = (N + AT - 1) / AT;
     const size_t row_bytes = (size_t)nb * block_bytes(fmt);
     int8_t* xb = aligned_alloc(64, (size_t)xtiles * nb * QK * AT);
@@ -112,7 +118,8 @@ static int amx_linear(const int8_t* q, const float* d, const float* s, const uin
         for (int wt = 0; wt < wtiles; ++wt) {
             if (a == NULL || dw == NULL) continue;
             const int n0 = wt * AT, nr = N - n0 < AT ? N - n0 : AT;
-            amx_pack_w(fmt, w + (size_t)n0 * row_bytes, row_bytes, nr, nb, a, dw, mw);
+            if (rows8) amx_pack_w_rows8(fmt, w, nb, N, n0, a, dw, mw);
+            else amx_pack_w(fmt, w + (size_t)n0 * row_bytes, row_bytes, nr, nb, a, dw, mw);
             for (int xt = 0; xt < xtiles; ++xt) {
                 __m512 acc[AT];
                 for (int r = 0; r < AT; ++r) acc[r] = _mm512_setzero_ps();

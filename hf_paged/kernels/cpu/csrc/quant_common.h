@@ -60,6 +60,12 @@ static inline float h2f(const uint8_t* p) {
 #endif
 }
 
+/* a block's offset term per weight for the int8-activation kernels: Q4_1's m; Q4_0's (q - 8) d = q d + (-8 d), its m made in fp32 (exact);
+ * 0 for the 8-bit formats */
+static inline float block_m(const int fmt, const uint8_t* blk) {
+    return fmt == FMT_Q4_1 ? h2f(blk + 2) : fmt == FMT_Q4_0 ? h2f(blk) * -8.0f : 0.0f;
+}
+
 #if defined(__AMX_TILE__) && defined(__AVX512F__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -9,7 +9,8 @@
  *
  * The integer dot of 32 unsigned by 32 signed bytes is one VPDPBUSD where the CPU has VNNI (AVX512-VNNI with VL,
  * or AVX-VNNI), else VPMADDUBSW + VPMADDWD (AVX2; no overflow: |u| <= 128, |s| <= 127). Nibbles are the unsigned
- * side as they are; signed weights (Q8_0, INT8, Q4_0's q - 8) go in as |w| with the sign moved onto x.
+ * side as they are (Q4_0's q - 8 is q plus its m = -8 d); signed weights (Q8_0, INT8) go in as |w| with the sign
+ * moved onto x.
  * Threads split the output rows, 4 weight rows at a time; each 4 x 4 (or 4 x 2 without AVX-512) tile of x rows
  * and weight rows keeps its sums in registers and unpacks each weight block once for all its x rows. Every
  * output is computed by the same operations in the same order whatever M is (a row's result does not depend on
@@ -114,65 +115,87 @@ int hfq8_quantize(const float* x, int64_t ldx, int M, int K, int8_t* q, float* d
 }
 
 #if HAVE_I8
-/* one weight block as the unsigned side u (and, for signed formats, the signs w to move onto x) */
+/* one weight block as the unsigned side u (and, for signed formats, the signs w to move onto x); 4-bit blocks are
+ * their nibbles q as they are (Q4_0's -8 is its m, see block_m) */
 static inline __attribute__((always_inline)) void unpack_i8(const int fmt, const uint8_t* p, __m256i* u, __m256i* w) {
     if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
         const __m128i raw = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(15);
-        const __m256i n = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-        if (fmt == FMT_Q4_1) {
-            *u = n;
-            return;
-        }
-        *w = _mm256_sub_epi8(n, _mm256_set1_epi8(8));
-    } else {
-        *w = _mm256_loadu_si256((const __m256i*)p);
+        *u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+        return;
     }
+    *w = _mm256_loadu_si256((const __m256i*)p);
     *u = _mm256_sign_epi8(*w, *w);
 }
 
-/* y[i][r] for mr x rows and nr weight rows: float sums over the blocks of int dots scaled by d_w * d_x */
+/* d (and m, see block_m) of the blocks at w + r * row_bytes for the tile's rows r < nr (0 past them) as 4 lanes:
+ * each block's first 4 bytes (its fp16 d, then Q4_1's fp16 m) in one vector, converted together */
+static inline __attribute__((always_inline)) void scales4(const int fmt, const int nr, const uint8_t* w,
+                                                          const size_t row_bytes, __m128* d, __m128* m) {
+    if (fmt == FMT_INT8) {
+        *d = _mm_set1_ps(1.0f), *m = _mm_setzero_ps();
+        return;
+    }
+    int32_t h[NRQ] = {0};
+    for (int r = 0; r < nr; ++r) memcpy(&h[r], w + r * row_bytes, 4);
+    /* fp16 lanes (d0 m0 d1 m1 d2 m2 d3 m3) -> (d0 d1 d2 d3 m0 m1 m2 m3) */
+    const __m128i v = _mm_shuffle_epi8(_mm_setr_epi32(h[0], h[1], h[2], h[3]),
+                                       _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    *d = _mm_cvtph_ps(v);
+    *m = fmt == FMT_Q4_1 ? _mm_cvtph_ps(_mm_unpackhi_epi64(v, v))
+       : fmt == FMT_Q4_0 ? _mm_mul_ps(*d, _mm_set1_ps(-8.0f)) : _mm_setzero_ps();
+}
+
+/* lane r = the sum of v[r]'s 8 lanes (exact int32 sums) */
+static inline __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+
+/*
+ * y[i][r] for mr x rows and nr weight rows (4, or 1). Per output, block by block: the block's integer dot (exact),
+ * as fp32, times d_w * d_x added in one rounding, then (4-bit) m_w * (d_x * sum(q_x)) in one rounding. These are
+ * the operations and the order of the AMX tiles (quant_amx.h) and of the rows8 kernel (quant_q8_rows8.h), so a
+ * row's result is the same bits whichever of them serves its batch. The 4 weight rows of a tile are the 4 lanes
+ * of one vector.
+ */
 static inline __attribute__((always_inline)) void tile(
     const int fmt, const int mr, const int nr, const int nb, const uint8_t* w, const size_t row_bytes,
     const int8_t* xq, const int64_t K, const float* xd, const float* xs, float out[MRQ][NRQ])
 {
-    const int bb = block_bytes(fmt), off = quant_offset(fmt);
-    __m256 acc[MRQ][NRQ];
-    float macc[MRQ][NRQ];
-    for (int i = 0; i < mr; ++i)
-        for (int r = 0; r < nr; ++r) acc[i][r] = _mm256_setzero_ps(), macc[i][r] = 0.0f;
+    const int bb = block_bytes(fmt), off = quant_offset(fmt), q4 = fmt == FMT_Q4_0 || fmt == FMT_Q4_1;
+    __m128 acc[MRQ];
+    for (int i = 0; i < mr; ++i) acc[i] = _mm_setzero_ps();
     for (int b = 0; b < nb; ++b) {
         __m256i u[NRQ], sg[NRQ];
-        float dw[NRQ], mw[NRQ];
         for (int r = 0; r < nr; ++r) {
             const uint8_t* blk = w + r * row_bytes + (size_t)b * bb;
             if (PF_GROUPS) __builtin_prefetch(blk + PF_GROUPS * NRQ * row_bytes, 0, 3);
             unpack_i8(fmt, blk + off, &u[r], &sg[r]);
-            dw[r] = fmt == FMT_INT8 ? 1.0f : h2f(blk);
-            mw[r] = fmt == FMT_Q4_1 ? h2f(blk + 2) : 0.0f;
         }
+        __m128 dwv, mwv;
+        scales4(fmt, nr, w + (size_t)b * bb, row_bytes, &dwv, &mwv);
         for (int i = 0; i < mr; ++i) {
             const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + i * K + b * QK));
-            const float dx = xd[i * nb + b];
-            for (int r = 0; r < nr; ++r) {
-                const __m256i s = fmt == FMT_Q4_1 ? x : _mm256_sign_epi8(x, sg[r]);
-                const __m256 f = _mm256_cvtepi32_ps(dot32(u[r], s));
-                acc[i][r] = _mm256_fmadd_ps(f, _mm256_set1_ps(dw[r] * dx), acc[i][r]);
-                if (fmt == FMT_Q4_1) macc[i][r] = fmaf(mw[r], xs[i * nb + b], macc[i][r]);
-            }
+            __m256i dot[NRQ];
+            for (int r = 0; r < NRQ; ++r)
+                dot[r] = r >= nr ? _mm256_setzero_si256() : dot32(u[r], q4 ? x : _mm256_sign_epi8(x, sg[r]));
+            const __m128 f = _mm_cvtepi32_ps(sum4(dot[0], dot[1], dot[2], dot[3]));
+            acc[i] = _mm_fmadd_ps(f, _mm_mul_ps(dwv, _mm_set1_ps(xd[i * nb + b])), acc[i]);
+            if (q4) acc[i] = _mm_fmadd_ps(mwv, _mm_set1_ps(xs[i * nb + b]), acc[i]);
         }
     }
-    for (int i = 0; i < mr; ++i)
-        for (int r = 0; r < nr; ++r) {
-            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][r]), _mm256_extractf128_ps(acc[i][r], 1));
-            const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            out[i][r] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))) + macc[i][r];
-        }
+    for (int i = 0; i < mr; ++i) {
+        float lanes[NRQ];
+        _mm_storeu_ps(lanes, acc[i]);
+        for (int r = 0; r < nr; ++r) out[i][r] = lanes[r];
+    }
 }
 #else
+/* the same operations one output at a time (no SIMD build) */
 static inline void tile(const int fmt, const int mr, const int nr, const int nb, const uint8_t* w,
                         const size_t row_bytes, const int8_t* xq, const int64_t K, const float* xd, const float* xs,
                         float out[MRQ][NRQ]) {
-    const int bb = block_bytes(fmt), off = quant_offset(fmt);
+    const int bb = block_bytes(fmt), off = quant_offset(fmt), q4 = fmt == FMT_Q4_0 || fmt == FMT_Q4_1;
     for (int i = 0; i < mr; ++i)
         for (int r = 0; r < nr; ++r) {
             float acc = 0.0f;
@@ -183,15 +206,12 @@ static inline void tile(const int fmt, const int mr, const int nr, const int nb,
                 int dot = 0;
                 for (int j = 0; j < QK / 2; ++j) {
                     int lo, hi;
-                    if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
-                        lo = (p[j] & 15) - (fmt == FMT_Q4_0 ? 8 : 0), hi = (p[j] >> 4) - (fmt == FMT_Q4_0 ? 8 : 0);
-                    } else {
-                        lo = (int8_t)p[j], hi = (int8_t)p[j + QK / 2];
-                    }
+                    if (q4) lo = p[j] & 15, hi = p[j] >> 4;
+                    else lo = (int8_t)p[j], hi = (int8_t)p[j + QK / 2];
                     dot += lo * xb[j] + hi * xb[j + QK / 2];
                 }
-                acc += (float)dot * ((fmt == FMT_INT8 ? 1.0f : h2f(blk)) * xd[i * nb + b]);
-                if (fmt == FMT_Q4_1) acc = fmaf(h2f(blk + 2), xs[i * nb + b], acc);
+                acc = fmaf((float)dot, (fmt == FMT_INT8 ? 1.0f : h2f(blk)) * xd[i * nb + b], acc);
+                if (q4) acc = fmaf(block_m(fmt, blk), xs[i * nb + b], acc);
             }
             out[i][r] = acc;
         }
@@ -240,7 +260,7 @@ int hfq8_linear(const float* x, int64_t ldx, const uint8_t* w, int fmt, const fl
     hfq8_quantize(x, ldx, M, K, xq, xd, xs, M >= 64 ? num_threads : 1);
 #if HAVE_AMX
     if (M > AMX_MIN_ROWS && amx_allowed()) {
-        const int rc = amx_linear(xq, xd, xs, w, fmt, scales, bias, y, ldy, M, N, K, num_threads);
+        const int rc = amx_linear(xq, xd, xs, w, fmt, 0, scales, bias, y, ldy, M, N, K, num_threads);
         free(xq);
         free(xd);
         return rc;

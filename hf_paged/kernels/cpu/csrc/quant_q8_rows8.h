@@ -24,10 +24,15 @@
  * Rows past N are zero. Keeping the scales in fp16 makes the copy the size of the GGUF bytes (it used fp32 scales:
  * 1.2x for Q4_1), and a one-row call, which streams the copy from memory, reads that much less.
  *
- * Per output the operations and their order do not depend on M or on which rows share a tile: a row's result is
- * the same whatever the batch. The numbers are quant_q8.c's contract (the rounded activations times the
- * dequantized weights, up to fp32 rounding), summed in another order: this kernel and hfq8_linear may differ in
- * the last bits, so one process uses one of them for a layer.
+ * With VNNI (AVX512-VNNI with VL, or AVX-VNNI) each quad goes through one VPDPBUSD into int32 lanes instead: the
+ * same exact integer sums. A one-row call prefetches PF_ROWS8 bytes ahead (on a Xeon the hardware's prefetcher
+ * alone left the rows8 walk slower than hfq8_linear's four prefetched row streams once the weight came from
+ * memory); above 16 rows, where the host has AMX-INT8, the copy feeds quant_amx.h's tiles.
+ *
+ * Per output the operations and their order do not depend on M or on which rows share a tile, and they are
+ * quant_q8.c's and the AMX tiles' (per block: the exact integer dot as fp32 times d_w * d_x in one rounding,
+ * then m_w * d_x * sum(q_x) in one rounding; Q4_0's m is -8 d): a row's result is the same bits whatever the
+ * batch, the kernel or the build.
  */
 #if HAVE_I8 && defined(__F16C__)
 #define HAVE_ROWS8 1
@@ -35,6 +40,9 @@
 #define HAVE_ROWS8 0
 #endif
 enum { IR = 8 };
+#ifndef PF_ROWS8
+#define PF_ROWS8 2048 /* bytes ahead to prefetch in a one-row walk over the copy */
+#endif
 
 static inline int wide(int fmt) { return fmt == FMT_Q8_0 || fmt == FMT_INT8; }
 /* bytes of a group's block of weights; of its scales for nb blocks (a multiple of 32: the weights stay aligned);
@@ -89,6 +97,12 @@ int hfq8i_repack(const uint8_t* w, int fmt, int N, int K, uint8_t* out, int num_
 
 #if HAVE_ROWS8
 enum { MRI = 4, CG = 32 }; /* rows per tile; groups of 8 outputs per chunk of a batch */
+/* with VNNI the quads multiply-add straight into int32 lanes: the same exact integer sums in half the operations */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
 
 static inline __m256i bcast4(const int8_t* p) {
     int32_t v;
@@ -137,23 +151,37 @@ static inline __attribute__((always_inline)) void tile_rows8(
     const int8_t* xq, const int8_t* xe, const int64_t K, const float* xd, const float* xs, __m256 out[MRI])
 {
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    (void)ones;
     __m256 acc[MRI];
     for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; ++b) {
         const uint8_t* rec = wg + (size_t)b * 128;
-        __m256i s16[MRI];
-        for (int i = 0; i < mr; ++i) s16[i] = _mm256_setzero_si256();
+        if (PF_ROWS8) { /* the groups follow each other in memory: fetch ahead of the hardware's prefetcher */
+            __builtin_prefetch(rec + PF_ROWS8, 0, 3);
+            __builtin_prefetch(rec + PF_ROWS8 + 64, 0, 3);
+        }
+        __m256i s[MRI]; /* int16 pair sums (VPMADDUBSW), or with VNNI int32 sums */
+        for (int i = 0; i < mr; ++i) s[i] = _mm256_setzero_si256();
         for (int L = 0; L < 4; ++L) {
             const __m256i raw = _mm256_loadu_si256((const __m256i*)(rec + 32 * L));
             const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
             for (int i = 0; i < mr; ++i) {
-                s16[i] = kept(_mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, xquad(xq, xe, K, nb, i, b, L))));
-                s16[i] = kept(_mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, xquad(xq, xe, K, nb, i, b, 4 + L))));
+#ifdef DPBUSD
+                s[i] = kept(DPBUSD(s[i], lo, xquad(xq, xe, K, nb, i, b, L)));
+                s[i] = kept(DPBUSD(s[i], hi, xquad(xq, xe, K, nb, i, b, 4 + L)));
+#else
+                s[i] = kept(_mm256_add_epi16(s[i], _mm256_maddubs_epi16(lo, xquad(xq, xe, K, nb, i, b, L))));
+                s[i] = kept(_mm256_add_epi16(s[i], _mm256_maddubs_epi16(hi, xquad(xq, xe, K, nb, i, b, 4 + L))));
+#endif
             }
         }
         const __m256 d = scale_d(dg, b), m = scale_m(fmt, nb, dg, b, d);
         for (int i = 0; i < mr; ++i) {
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones));
+#ifdef DPBUSD
+            const __m256 dot = _mm256_cvtepi32_ps(s[i]);
+#else
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[i], ones));
+#endif
             acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xd[i * nb + b])), acc[i]);
             acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[i * nb + b]), acc[i]);
         }
@@ -167,17 +195,24 @@ static inline __attribute__((always_inline)) void tile_rows8_wide(
     const int8_t* xe, const int64_t K, const float* xd, __m256 out[MRI])
 {
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones;
     __m256 acc[MRI];
     for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; ++b) {
         const uint8_t* rec = wg + (size_t)b * 256;
+        if (PF_ROWS8)
+            for (int l = 0; l < 256; l += 64) __builtin_prefetch(rec + PF_ROWS8 + l, 0, 3);
         __m256i s32[MRI];
         for (int i = 0; i < mr; ++i) s32[i] = _mm256_setzero_si256();
         for (int t = 0; t < 8; ++t) {
             const __m256i w = _mm256_loadu_si256((const __m256i*)(rec + 32 * t)), u = _mm256_abs_epi8(w);
             for (int i = 0; i < mr; ++i) {
                 const __m256i sx = _mm256_sign_epi8(xquad(xq, xe, K, nb, i, b, t), w);
+#ifdef DPBUSD
+                s32[i] = kept(DPBUSD(s32[i], u, sx));
+#else
                 s32[i] = kept(_mm256_add_epi32(s32[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, sx), ones)));
+#endif
             }
         }
         const __m256 d = scale_d(dg, b);
@@ -213,6 +248,50 @@ static void tile_rows8_any(int fmt, int mr, int nb, const uint8_t* wg, const uin
 }
 #endif
 
+#if HAVE_AMX
+static inline int32_t quad_at(const uint8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* quant_amx.h's weight tile (rows n0..n0+15, int8 [nb][16][32], d and m [nb][16]) from the rows8 copy wi: the
+ * tile's two groups of 8 rows, each row's quads gathered back into the GGUF order of its block */
+static void amx_pack_w_rows8(int fmt, const uint8_t* wi, int nb, int N, int n0, int8_t* a, float* dw, float* mw) {
+    const size_t gb = gbytes(fmt, nb);
+    const int g0 = n0 / IR, groups = (N + IR - 1) / IR;
+    for (int g = g0 + 2; g < g0 + 4 && g < groups; ++g) /* the next tile's groups, fetched while this one computes */
+        for (size_t l = 0; l < gb; l += 64) __builtin_prefetch(wi + (size_t)g * gb + l, 0, 3);
+    const __m128i mask = _mm_set1_epi8(15);
+    for (int r = 0; r < AT; ++r) {
+        const int n = n0 + r, j = r % IR;
+        const uint8_t* dg = wi + (size_t)(g0 + r / IR) * gb, *wg = dg + sbytes(fmt, nb);
+        for (int b = 0; b < nb; ++b) {
+            int8_t* dst = a + ((size_t)b * AT + r) * QK;
+            if (n >= N) {
+                memset(dst, 0, QK);
+                dw[b * AT + r] = mw[b * AT + r] = 0.0f;
+                continue;
+            }
+            const uint8_t* rec = wg + (size_t)b * wbytes(fmt) + 4 * j;
+            if (wide(fmt)) {
+                _mm256_storeu_si256((__m256i*)dst, _mm256_setr_epi32(quad_at(rec), quad_at(rec + 32), quad_at(rec + 64),
+                                                                     quad_at(rec + 96), quad_at(rec + 128),
+                                                                     quad_at(rec + 160), quad_at(rec + 192),
+                                                                     quad_at(rec + 224)));
+            } else {
+                const __m128i raw = _mm_setr_epi32(quad_at(rec), quad_at(rec + 32), quad_at(rec + 64), quad_at(rec + 96));
+                _mm256_storeu_si256((__m256i*)dst, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask),
+                                                                     _mm_and_si128(raw, mask)));
+            }
+            const float d = h2f(dg + ((size_t)b * IR + j) * 2);
+            dw[b * AT + r] = d;
+            mw[b * AT + r] = fmt == FMT_Q4_1 ? h2f(dg + (((size_t)nb + b) * IR + j) * 2) : fmt == FMT_Q4_0 ? d * -8.0f : 0.0f;
+        }
+    }
+}
+#endif
+
 /*
  * hfq8_linear's computation on the rows8 copy wi of a weight (same arguments; scales: INT8's per-row scales).
  * Returns 0, -1 for an unknown format, K % 32 or a build without AVX2 and F16C, -2 when scratch cannot be allocated.
@@ -232,6 +311,14 @@ int hfq8i_linear(const float* x, int64_t ldx, const uint8_t* wi, int fmt, const 
     }
     float* xs = xd + (size_t)M * nb;
     hfq8_quantize(x, ldx, M, K, xq, xd, xs, M >= 64 ? num_threads : 1);
+#if HAVE_AMX
+    if (M > AMX_MIN_ROWS && amx_allowed()) { /* the same bits as the vector path below, batch by batch */
+        const int rc = amx_linear(xq, xd, xs, wi, fmt, 1, scales, bias, y, ldy, M, N, K, num_threads);
+        free(xq);
+        free(xd);
+        return rc;
+    }
+#endif
     /* a batch of several tiles: each thread walks its groups in chunks of CG (their weights stay in L2) and, per
      * chunk, the 4-row tiles in turn, each expanded once (xquad) and read from L1 by the chunk's groups. Below
      * two tiles, where an expanded tile outgrows L1 (K > 768: 24 KiB; the default model's down_proj, K = 1536,
