@@ -102,6 +102,30 @@ def test_native_kernel_head_dims_and_work_split(head_dim, num_seqs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads", [8, 16])
+def test_native_kernel_splits_few_sequences_into_runs_of_kv_heads(dtype, num_heads):
+    """Fewer sequences than 2x threads split each sequence into the fewest runs of KV heads that give the threads
+    enough items (8 KV heads: 1 sequence on 2 threads -> 4 runs of 2 heads, on 4 threads -> 8 of 1; 3 sequences
+    on 4 threads -> 4 runs of 2 heads; 5 on 4 -> 2 runs of 4), each run prefetching its part of the next block;
+    every output as the reference's, a long sequence's key ranges included."""
+    threads = torch.get_num_threads()
+    try:
+        for n_threads, seq_lens, q_lens in ((2, [70], [1]), (4, [70], [1]), (4, [40, 9, 33], [1, 2, 1]),
+                                            (4, [21, 50, 7, 16, 33], [1, 1, 3, 1, 1]), (2, [300], [1])):
+            torch.set_num_threads(n_threads)
+            case = make_case(seq_lens, q_lens, num_heads=num_heads, num_kv_heads=8, head_dim=64, block_size=16,
+                             dtype=dtype, seed=len(seq_lens) + n_threads)
+            plan = TorchAttentionPlan.build(case.block_tables, case.seq_lens, case.cu_seqlens_q, 16, native_max_q=16)
+            assert plan.native_seq_ids is not None and not plan.groups
+            want = paged_attention_reference(*case.args())
+            got = paged_attention(*case.args(), backend="cpu", plan=plan)
+            tol = 2e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("window, softcap", [(None, None), (37, None), (None, 5.0)])
 def test_native_kernel_splits_long_sequences_into_key_ranges(dtype, block_size, window, softcap):

@@ -126,6 +126,21 @@ def test_native_kernel_reads_int8_rows_for_every_query_dtype(dtype, tol, head_di
     torch.testing.assert_close(out.float(), _reference(case), atol=tol, rtol=tol)
 
 
+@NATIVE
+@pytest.mark.parametrize("seq_lens,q_lens,threads", [([90], [1], 2), ([90, 37, 5], [1, 2, 1], 4)])
+def test_native_kernel_splits_int8_rows_into_runs_of_kv_heads(seq_lens, q_lens, threads):
+    """Few sequences, 8 KV heads: each work item reads a run of heads whose int8 rows (68 bytes) start and end
+    inside cache lines, and prefetches that run of the next block."""
+    case = int8_case(seq_lens, q_lens, num_heads=16, num_kv_heads=8, head_dim=64, block_size=16)
+    out = torch.full_like(case.query, float("nan"))
+    i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
+    cpu_attention.paged_attention_native(
+        case.query, case.k_cache, case.v_cache, i32(case.block_tables), i32(case.seq_lens), i32(case.cu_seqlens_q),
+        torch.arange(len(seq_lens), dtype=torch.int32), out, case.scale, None, None, threads,
+    )
+    torch.testing.assert_close(out.float(), _reference(case), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("isa_flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma")],
                          ids=["avx2", "no-avx2"])
 def test_native_int8_store_and_attention_on_narrower_builds(isa_flags, monkeypatch):
