@@ -241,7 +241,7 @@ def test_layer_picks_one_int8_kernel_for_every_batch_and_follows_weight_changes(
 @pytest.mark.parametrize("faster", ["rows8", "blocks"])
 def test_int8_kernel_choice_follows_the_timings(monkeypatch, faster):
     """Unforced, each weight family takes the kernel its timing found faster (here: timings as the store would
-    give them), once per process; the int8 format always keeps the block kernel."""
+    give them), once per process: the 4-bit formats as one family, Q8_0 and the int8 format each as their own."""
     native = _load(Q8_LIBS, "host")
     if not native.hfq8i_available():
         pytest.skip("build without AVX2")
@@ -255,8 +255,9 @@ def test_int8_kernel_choice_follows_the_timings(monkeypatch, faster):
     monkeypatch.setattr(tuning_store, "get", lambda key: asked.append(key) or dict(fake))
     assert quant_layout.rows8_chosen("q4_0", native) is (faster == "rows8")
     assert quant_layout.rows8_chosen("q4_1", native) is (faster == "rows8")  # the same family: not timed again
-    assert quant_layout.rows8_chosen("int8", native) is False
-    assert asked == [f"q8-layout:q4_1:960x576:{Path(native._name).stem}"]  # timed again for a new build
+    assert quant_layout.rows8_chosen("int8", native) is (faster == "rows8")
+    stem = Path(native._name).stem
+    assert asked == [f"q8-layout:q4_1:960x576:{stem}", f"q8-layout:int8:960x576:{stem}"]  # again for a new build
 
 
 def test_int8_mode_without_its_library_uses_float_kernel_or_torch(monkeypatch):

@@ -22,10 +22,11 @@ from hf_paged.kernels.cpu.quant_formats import FORMATS, quantize
 logger = logging.getLogger(__name__)
 
 ROWS8_ENV = "HF_PAGED_Q8_LAYOUT"  # "rows8" / "blocks": force the int8-mode kernel (default: timed per weight family)
-# the formats whose int8-mode kernel is chosen together, and the format timed for each family. The int8 format
-# (per-row scales, quantized at start) keeps the block kernel: its rows8 copy was no faster at one row on a Xeon
-# (2026-12-03). Both kernels give every output the same bits (csrc/quant_q8_rows8.h), so the choice is speed only.
-FAMILIES = {"q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0", "int8": None}
+# the formats whose int8-mode kernel is chosen together, and the format timed for each family. Both kernels give
+# every output the same bits (csrc/quant_q8_rows8.h), so the choice is speed only. (The int8 format, per-row scales,
+# kept the block kernel while the two differed in the last bits: with rows8 on it one test saw the engine's greedy
+# tokens leave stock generate's on the same quantized layers.)
+FAMILIES = {"q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0", "int8": "int8"}
 _chosen: dict[str, bool] = {}
 
 
@@ -71,8 +72,9 @@ def _time_rows8(lib, fmt: str, out_features: int = 960, in_features: int = 576) 
     timings = tuning_store.get(key)
     if timings is None or set(timings) != {"blocks", "rows8"}:
         g = torch.Generator().manual_seed(0)
-        _, qweight, _ = quantize(torch.randn(out_features, in_features, generator=g), fmt)
+        _, qweight, scales = quantize(torch.randn(out_features, in_features, generator=g), fmt)
         code, threads = FORMATS[fmt], torch.get_num_threads()
+        scales_ptr = None if scales is None else scales.data_ptr()  # the int8 format's per-row scales
         blocks = [qweight.clone() for _ in range(cold_copies(qweight.numel(), 4, 64))]
         weights = {"blocks": blocks, "rows8": [_repack(lib, w, code, out_features, in_features) for w in blocks]}
         fns = {"blocks": lib.hfq8_linear, "rows8": lib.hfq8i_linear}
@@ -80,9 +82,10 @@ def _time_rows8(lib, fmt: str, out_features: int = 960, in_features: int = 576) 
         for rows in (1, 32):  # seconds for one weight at both row counts
             x = torch.randn(rows, in_features, generator=g)
             y = torch.empty(rows, out_features)
-            calls = {name: [lambda w=w, fn=fns[name]: fn(x.data_ptr(), in_features, w.data_ptr(), code, None, None,
-                                                         y.data_ptr(), out_features, rows, out_features, in_features,
-                                                         threads) for w in weights[name]] for name in fns}
+            calls = {name: [lambda w=w, fn=fns[name]: _checked(fn(x.data_ptr(), in_features, w.data_ptr(), code,
+                                                                  scales_ptr, None, y.data_ptr(), out_features, rows,
+                                                                  out_features, in_features, threads))
+                            for w in weights[name]] for name in fns}
             for name, seconds in _fastest_calls(calls, 3).items():
                 timings[name] += seconds
         tuning_store.put(key, timings)
@@ -90,6 +93,11 @@ def _time_rows8(lib, fmt: str, out_features: int = 960, in_features: int = 576) 
     logger.info("int8 kernel for %s weights: blocks %.0f us, rows8 %.0f us -> %s", fmt, timings["blocks"] * 1e6,
                 timings["rows8"] * 1e6, "rows8" if chosen else "blocks")
     return chosen
+
+
+def _checked(rc: int) -> None:
+    if rc != 0:  # a call that returns at once would time as the fastest
+        raise RuntimeError(f"int8 kernel timing: the kernel returned {rc}")
 
 
 def _fastest_calls(calls: dict[str, list], rounds: int) -> dict[str, float]:
