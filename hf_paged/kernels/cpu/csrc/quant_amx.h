@@ -57,10 +57,7 @@ static void amx_pack_w(int fmt, const uint8_t* w, size_t row_bytes, int nr, int 
                 continue;
             }
             if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
-                const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + off)), mask = _mm_set1_epi8(15);
-                const __m256i n =
-                    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-                _mm256_storeu_si256((__m256i*)dst, n);
+                _mm256_storeu_si256((__m256i*)dst, nibbles(_mm_loadu_si128((const __m128i*)(blk + off))));
             } else {
                 memcpy(dst, blk + off, QK);
             }

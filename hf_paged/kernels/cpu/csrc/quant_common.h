@@ -60,11 +60,25 @@ static inline float h2f(const uint8_t* p) {
 #endif
 }
 
-/* a block's offset term per weight for the int8-activation kernels: Q4_1's m; Q4_0's (q - 8) d = q d + (-8 d), its m made in fp32 (exact);
- * 0 for the 8-bit formats */
+/* The int8-activation kernels take a 4-bit block's nibbles q as they are, unsigned, with an offset term m per weight:
+ * Q4_1's stored m; Q4_0's (q - 8) d = q d + (-8 d), so its m is d * Q4_0_M, made in fp32 (exact). Every kernel (the
+ * block kernel's vectors, the AMX tiles, the rows8 groups) makes Q4_0's m with this one rule, whatever layout it
+ * reads d from: a row's bits do not depend on which kernel ran it. */
+#define Q4_0_M (-8.0f)
+
+/* a block's offset term per weight (see Q4_0_M): 0 for the 8-bit formats */
 static inline float block_m(const int fmt, const uint8_t* blk) {
-    return fmt == FMT_Q4_1 ? h2f(blk + 2) : fmt == FMT_Q4_0 ? h2f(blk) * -8.0f : 0.0f;
+    return fmt == FMT_Q4_1 ? h2f(blk + 2) : fmt == FMT_Q4_0 ? h2f(blk) * Q4_0_M : 0.0f;
 }
+
+#if defined(__AVX2__)
+/* a 4-bit block's 16 bytes of nibbles as its 32 weights q (0..15) in order: the low halves (weights 0..15), then
+ * the high halves (16..31) */
+static inline __m256i nibbles(const __m128i raw) {
+    const __m128i mask = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AVX512F__) && defined(__linux__)
 #include <sys/syscall.h>

@@ -116,11 +116,10 @@ int hfq8_quantize(const float* x, int64_t ldx, int M, int K, int8_t* q, float* d
 
 #if HAVE_I8
 /* one weight block as the unsigned side u (and, for signed formats, the signs w to move onto x); 4-bit blocks are
- * their nibbles q as they are (Q4_0's -8 is its m, see block_m) */
+ * their nibbles q as they are (Q4_0's -8 is its m, see Q4_0_M) */
 static inline __attribute__((always_inline)) void unpack_i8(const int fmt, const uint8_t* p, __m256i* u, __m256i* w) {
     if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
-        const __m128i raw = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(15);
-        *u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+        *u = nibbles(_mm_loadu_si128((const __m128i*)p));
         return;
     }
     *w = _mm256_loadu_si256((const __m256i*)p);
@@ -142,7 +141,7 @@ static inline __attribute__((always_inline)) void scales4(const int fmt, const i
                                        _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
     *d = _mm_cvtph_ps(v);
     *m = fmt == FMT_Q4_1 ? _mm_cvtph_ps(_mm_unpackhi_epi64(v, v))
-       : fmt == FMT_Q4_0 ? _mm_mul_ps(*d, _mm_set1_ps(-8.0f)) : _mm_setzero_ps();
+       : fmt == FMT_Q4_0 ? _mm_mul_ps(*d, _mm_set1_ps(Q4_0_M)) : _mm_setzero_ps();
 }
 
 /* lane r = the sum of v[r]'s 8 lanes (exact int32 sums) */

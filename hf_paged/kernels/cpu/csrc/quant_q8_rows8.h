@@ -104,11 +104,14 @@ enum { MRI = 4, CG = 32 }; /* rows per tile; groups of 8 outputs per chunk of a 
 #define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #endif
 
-static inline __m256i bcast4(const int8_t* p) {
+/* the 4 bytes at p as one int32 (any alignment) */
+static inline int32_t quad_at(const void* p) {
     int32_t v;
     memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
+    return v;
 }
+
+static inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(quad_at(p)); }
 
 /* The 4 activation bytes of quad t (0..7) of block b of tile row i, in every lane: loaded from the tile's expanded
  * copy xe (expand_tile: each quad stored 8 times) where there is one, else broadcast from xq. On Zen 3 a
@@ -142,7 +145,7 @@ static inline __m256 scale_d(const uint8_t* dg, int b) {
 
 static inline __m256 scale_m(int fmt, int nb, const uint8_t* dg, int b, __m256 d) {
     if (fmt == FMT_Q4_1) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dg + ((size_t)nb + b) * 16)));
-    return _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)); /* Q4_0 */
+    return _mm256_mul_ps(d, _mm256_set1_ps(Q4_0_M)); /* Q4_0 */
 }
 
 /* out[i] = the 8 outputs of group (wg, dg) for activation rows i < mr (without bias); xe: see xquad */
@@ -249,12 +252,6 @@ static void tile_rows8_any(int fmt, int mr, int nb, const uint8_t* wg, const uin
 #endif
 
 #if HAVE_AMX
-static inline int32_t quad_at(const uint8_t* p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
 /* quant_amx.h's weight tile (rows n0..n0+15, int8 [nb][16][32], d and m [nb][16]) from the rows8 copy wi: the
  * tile's two groups of 8 rows, each row's quads gathered back into the GGUF order of its block */
 static void amx_pack_w_rows8(int fmt, const uint8_t* wi, int nb, int N, int n0, int8_t* a, float* dw, float* mw) {
@@ -262,7 +259,6 @@ static void amx_pack_w_rows8(int fmt, const uint8_t* wi, int nb, int N, int n0, 
     const int g0 = n0 / IR, groups = (N + IR - 1) / IR;
     for (int g = g0 + 2; g < g0 + 4 && g < groups; ++g) /* the next tile's groups, fetched while this one computes */
         for (size_t l = 0; l < gb; l += 64) __builtin_prefetch(wi + (size_t)g * gb + l, 0, 3);
-    const __m128i mask = _mm_set1_epi8(15);
     for (int r = 0; r < AT; ++r) {
         const int n = n0 + r, j = r % IR;
         const uint8_t* dg = wi + (size_t)(g0 + r / IR) * gb, *wg = dg + sbytes(fmt, nb);
@@ -281,12 +277,11 @@ static void amx_pack_w_rows8(int fmt, const uint8_t* wi, int nb, int N, int n0, 
                                                                      quad_at(rec + 224)));
             } else {
                 const __m128i raw = _mm_setr_epi32(quad_at(rec), quad_at(rec + 32), quad_at(rec + 64), quad_at(rec + 96));
-                _mm256_storeu_si256((__m256i*)dst, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask),
-                                                                     _mm_and_si128(raw, mask)));
+                _mm256_storeu_si256((__m256i*)dst, nibbles(raw));
             }
             const float d = h2f(dg + ((size_t)b * IR + j) * 2);
             dw[b * AT + r] = d;
-            mw[b * AT + r] = fmt == FMT_Q4_1 ? h2f(dg + (((size_t)nb + b) * IR + j) * 2) : fmt == FMT_Q4_0 ? d * -8.0f : 0.0f;
+            mw[b * AT + r] = fmt == FMT_Q4_1 ? h2f(dg + (((size_t)nb + b) * IR + j) * 2) : fmt == FMT_Q4_0 ? d * Q4_0_M : 0.0f;
         }
     }
 }
