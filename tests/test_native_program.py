@@ -314,7 +314,7 @@ def test_recorded_reads_notice_every_kind_of_change():
     member changed or whose pack was replaced."""
     from types import SimpleNamespace
 
-    from hf_paged.executor.native_program import _seen
+    from hf_paged.executor.program_record import seen as _seen
     from hf_paged.executor.program_reads import RecordedReads
 
     sub, w = torch.nn.Linear(2, 2), torch.nn.Parameter(torch.randn(3))
