@@ -9,7 +9,7 @@ import torch
 
 from hf_paged import PagedGenerator, SamplingParams
 from hf_paged.executor.program_ops import CallLists, c_call
-from hf_paged.kernels.cpu import attention, call_list, fused_ops, lora_ops, native_gemm
+from hf_paged.kernels.cpu import attention, call_list, fused_ops, lora_ops, native_gemm, packed_linear
 from hf_paged.model.layers import quant_linear
 from tests.helpers import make_model, make_prompts
 
@@ -128,8 +128,8 @@ def test_call_lists_keep_ops_whole_for_the_row_counts_their_c_call_does_not_serv
 def test_program_logits_are_those_of_its_direct_calls(monkeypatch, dtype, kv, inter):
     """The program's joined calls against the same program's calls made one by one: the same logits, bitwise; and
     a width the fp32 SiLU-mul's C pass does not serve (136): the ops one by one at every step, torch's SiLU."""
-    if not fused_ops.silu_mul_available(dtype):
-        pytest.skip(f"the {dtype} SiLU-mul kernel does not build or pass its probe here")
+    if not fused_ops.silu_mul_available(dtype) or not packed_linear.available("native", dtype):
+        pytest.skip(f"the {dtype} SiLU-mul kernel or our {dtype} GEMM does not build or pass its probe here")
     # the C SiLU-mul where it serves, whichever of it and torch's the timing at start would pick on this host now
     # (the choice is a timing: on a busy host torch's ops can win it, and the calls below are what is checked)
     monkeypatch.setitem(fused_ops._SILU_FASTER, dtype, True)

@@ -58,8 +58,10 @@ def test_greedy_parity_under_preemption(arch, mode):
     model = make_model(arch)
     prompts = make_prompts(8, [3, 20, 51, 9, 70, 33, 14, 60], seed=21)
     want = [stock_greedy(model, p, 24) for p in prompts]
+    # unpaced (max_itl_ratio=None): the pacer's chunk sizes come from measured step times, and this case needs the
+    # crowded pool that full-budget prefill chunks make
     engine = PagedGenerator(model, block_size=4, num_blocks=60, max_num_batched_tokens=96,
-                            preemption_mode=mode, swap_space=1 << 20)
+                            preemption_mode=mode, swap_space=1 << 20, max_itl_ratio=None)
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outs] == want
     assert engine.stats().num_preemptions[mode] > 0
