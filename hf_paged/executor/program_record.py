@@ -192,12 +192,10 @@ class _Recorder:
         )
 
     # -- the step ------------------------------------------------------------------------------------
-    def attention_ops(self, i: int, attn, Hn, QKVb, A, widths) -> list:
+    def attention_ops(self, i: int, attn, QKVb, A, widths) -> list:
         """Layer ``i``'s RoPE, KV store and paged attention, from the q/k/v buffer into ``A``."""
         p, D, elem, threads = self.p, self.D, self.elem, self.threads
         q_w, k_w, qkv_w, H, KVH = widths
-        if attn.head_dim != D:
-            raise Unfit("decoder layers of different head sizes")
         paged = p.attention_layers[attn.layer_idx]  # settings learned at start, as the fused layers use
         if paged.softcap is not None:
             raise Unfit("an attention softcap")
@@ -277,7 +275,7 @@ class _Recorder:
             ops.append(self.gemm_op(qkv_pack, qkv_bias, Hn, hidden, QKVb))
             ops += self.delta_op([linear_of(getattr(attn, n)) for n in QKV], Hn,
                                  [QKVb[:, :q_w], QKVb[:, q_w : q_w + k_w], QKVb[:, q_w + k_w :]])
-            ops += self.attention_ops(i, attn, Hn, QKVb, A, widths)
+            ops += self.attention_ops(i, attn, QKVb, A, widths)
             ops.extend(self.linear_ops(attn.o_proj, A, q_w, O))
             ops.append(self.norm_op(layer.post_attention_layernorm, O, Hn, residual=X, total=R))
             gu_pack, gu_bias = self.group_of(mlp, GATE_UP)
