@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_paged.model import patches as model_patches
+from hf_paged.model.layers import kernel_choices
 from hf_paged.attention.backends import make_backend
 from hf_paged.attention.layer import AttentionLayers
 from hf_paged.config import EngineConfig
@@ -167,6 +168,7 @@ class UniProcExecutor(Executor):
             self.backend = resolve_backend(cfg.attention_backend, self.device, self.pool.cache_dtype)
             self.packed = maybe_prepack(model, cfg, self.device)
             self.fused = maybe_fuse(model, cfg, self.device, self.pool.specs[0].dtype)
+            kernel_choices.agree(model)  # a tensor-parallel shard: every rank runs the kernels rank 0 timed fastest
             if cfg.enable_lora:
                 self.lora, detach_lora = make_lora(model, cfg)
             native_max_q = cpu_attention.MAX_Q if self.backend == "cpu" and self.pool.supports_native() else 0

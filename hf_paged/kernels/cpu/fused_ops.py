@@ -162,6 +162,18 @@ def silu_f32_serves(rows: int, n: int, threads: int) -> bool:
 
 
 _SILU_FASTER: dict[torch.dtype, bool] = {}
+SILU_DTYPES = tuple(_SILU_KERNELS)
+
+
+def silu_choices() -> dict[str, bool]:
+    """The SiLU-mul choices this process has timed: dtype name -> whether the C kernel serves (for tensor-parallel
+    ranks to run rank 0's: :mod:`hf_paged.model.layers.kernel_choices`)."""
+    return {str(d).removeprefix("torch."): v for d, v in _SILU_FASTER.items()}
+
+
+def adopt_silu_choices(choices: dict[str, bool]) -> None:
+    """Take ``choices`` (:func:`silu_choices` of another process) as this process's own."""
+    _SILU_FASTER.update({getattr(torch, name): bool(v) for name, v in choices.items()})
 
 
 def _silu_is_faster(kernel, dtype: torch.dtype, rows: int = 64, n: int = 1536, calls: int = 20) -> bool:

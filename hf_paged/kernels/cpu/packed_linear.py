@@ -205,11 +205,8 @@ class UpcastPackedWeight:
         self.source = weight
         self.version = weight._version
         self.ptr = weight.data_ptr()  # ``param.data = t`` keeps the object and its version
-        global _upcast_inner
         if inner_kind is None:
-            if _upcast_inner is None:  # timed once, on the first weight's shape
-                _upcast_inner = fastest_kind(torch.float32, *weight.shape, include_torch=False)
-            inner_kind = _upcast_inner
+            inner_kind = upcast_inner_kind(tuple(weight.shape))
         assert inner_kind != "torch", "upcast packing needs an fp32 packing"
         self.inner = PACKERS[inner_kind](weight.detach().float())
 
@@ -219,6 +216,20 @@ class UpcastPackedWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.inner.linear(x.float(), None if bias is None else bias.float())
         return y.to(x.dtype)
+
+
+def upcast_inner_kind(shape: tuple[int, int]) -> str:
+    """The fp32 packing under every upcast pack of this process: timed once, on the first weight's ``shape``."""
+    global _upcast_inner
+    if _upcast_inner is None:
+        _upcast_inner = fastest_kind(torch.float32, *shape, include_torch=False)
+    return _upcast_inner
+
+
+def adopt_upcast_inner(kind: str) -> None:
+    """Take ``kind`` (another process's :func:`upcast_inner_kind`: a tensor-parallel rank 0's) as decided here."""
+    global _upcast_inner
+    _upcast_inner = kind
 
 
 PACKERS = {"mkl": PackedWeight, "onednn": OneDnnPackedWeight, "native": NativePackedWeight, "upcast": UpcastPackedWeight}

@@ -13,6 +13,7 @@ import logging
 import torch
 
 from hf_paged.model.layers.linear import DenseLinear
+from hf_paged.model.layers.parallel import rank0_choice
 from hf_paged.kernels.cpu.packed_linear import (
     CANDIDATES, KIND_NAMES, PACKERS, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight, available, fastest_kind,
 )
@@ -120,7 +121,7 @@ class PackedLinears:
                 # made under torch.inference_mode: no version counter, so an in-place change could not be seen
                 # and a pack would go stale silently; these keep F.linear
                 continue
-            packer = self._packer(w, kind)
+            packer = self._packer(w, kind, model)
             if packer is None:
                 continue
             # packed on first use: the members of a packed group (q/k/v, gate/up) never need a pack of their own
@@ -132,11 +133,13 @@ class PackedLinears:
             ", ".join(f"{str(d).removeprefix('torch.')}: {k}" for d, k in self.kinds.items()) or "none",
         )
 
-    def _packer(self, weight: torch.Tensor, kind: str) -> _Packer | None:
+    def _packer(self, weight: torch.Tensor, kind: str, model: torch.nn.Module) -> _Packer | None:
         dtype = weight.dtype
         if dtype not in self.kinds:
             if kind in ("auto", "any"):
-                self.kinds[dtype] = fastest_kind(dtype, *weight.shape, include_torch=kind == "auto")
+                # timed on each rank alone: a tensor-parallel shard packs as rank 0 chose
+                self.kinds[dtype] = rank0_choice(model, fastest_kind(dtype, *weight.shape,
+                                                                           include_torch=kind == "auto"))
             else:
                 self.kinds[dtype] = kind if kind in CANDIDATES.get(dtype, ()) and available(kind, dtype) else "torch"
         chosen = self.kinds[dtype]

@@ -58,6 +58,16 @@ def rows8_chosen(fmt: str, lib) -> bool:
     return _chosen[family]
 
 
+def layout_choices() -> dict[str, bool]:
+    """Weight family -> whether its int8-mode linears run rows8, as decided in this process so far."""
+    return dict(_chosen)
+
+
+def adopt_layout_choices(choices: dict[str, bool]) -> None:
+    """Take ``choices`` (:func:`layout_choices` of another process, a tensor-parallel rank 0) as decided here."""
+    _chosen.update(choices)
+
+
 def forget() -> None:
     """Forget the choices (tests; a changed ``HF_PAGED_Q8_LAYOUT``)."""
     _chosen.clear()
