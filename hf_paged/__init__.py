@@ -6,11 +6,14 @@ torch nor transformers.
 
 import importlib
 
-from hf_paged import _moved
+from hf_paged import _moved, _transformers_index
 from hf_paged.kernels.cpu import isa as _isa
 
 # the module paths from before the layout by layer keep working one release, with a warning (_moved.py)
 _moved.install()
+
+# transformers' table of its model modules, read from the store instead of ~3,000 source files (_transformers_index.py)
+_transformers_index.install()
 
 # HF_PAGED_ISA=avx2 (or avx512) caps torch's own CPU kernels too; torch reads the caps at its first kernel call.
 _isa.apply_torch_caps()
