@@ -26,6 +26,7 @@ from hf_paged.engine.generator_clients import GeneratorClients
 from hf_paged.engine.generator_structured import StructuredIntake
 from hf_paged.engine.generator_loading import from_pretrained
 from hf_paged.engine.generator_lora import LoRAIntake
+from hf_paged.engine.generator_weights import WeightWatch
 from hf_paged.engine.output_processor import OutputProcessor, RequestState
 from hf_paged.lora.request import LoRARequest
 from hf_paged.outputs import EngineStats, RequestOutput
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 Prompt = str | abc.Sequence[int] | torch.Tensor
 
 
-class PagedGenerator(GeneratorClients, StructuredIntake, LoRAIntake):
+class PagedGenerator(GeneratorClients, StructuredIntake, LoRAIntake, WeightWatch):
     """A continuous-batching engine over a HuggingFace causal LM, with a paged KV cache.
 
     Args:
@@ -331,29 +332,6 @@ class PagedGenerator(GeneratorClients, StructuredIntake, LoRAIntake):
             self.scheduler.finish_request(seq_id, status, error)
         self.num_steps += 1
         return self.outputs.process(changed, result.scores)
-
-    def _weights_version(self) -> int:
-        # Inference tensors keep no version counter: only their replacement (a new object or storage) is seen.
-        # The address catches ``param.data = t``, which keeps the object and its version.
-        params = list(self.model.parameters())
-        return sum(p._version for p in params if not p.is_inference()) + hash(tuple((id(p), p.data_ptr()) for p in params))
-
-    def _drop_stale_prefix_cache(self) -> None:
-        """Cached KV was computed with the weights of its time: forget it when a weight changed (a training
-        step, ``load_state_dict``), or a prefix hit would serve the old model's KV.
-
-        Only a step that can admit a waiting request looks the prefix cache up, so without decode graphs the
-        check (a walk over every parameter, ~0.5 ms on the default model) runs only when requests wait.
-        """
-        if not self.executor.watches_weights and (not self.kv_manager.enable_prefix_caching or not self.scheduler.waiting):
-            return
-        version = self._weights_version()
-        if version != self._weights_seen:
-            if self._weights_seen is not None:
-                logger.info("model weights changed: dropping the prefix cache and decode graphs")
-                self.kv_manager.reset_prefix_cache()
-                self.executor.weights_changed()
-            self._weights_seen = version
 
     def _fail_step(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
         failed = []

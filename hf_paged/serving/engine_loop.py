@@ -233,30 +233,6 @@ class AsyncPagedEngine(LoopFaults):
         """Generated tokens per second over the last ``window`` seconds of steps (0 when idle)."""
         return self._throughput.rate(window)
 
-    def _check_open(self, count: int = 0) -> None:
-        if self.failure is not None:
-            self._reject("engine_failed", count)
-            raise EngineFailedError(self.failure)
-        if self._closing or self._stopped.is_set():
-            self._reject("engine_closed", count)
-            raise EngineClosedError("the engine loop is shut down; no request can be added")
-
-    def _check_capacity(self, count: int = 1) -> None:
-        waiting = self.num_waiting
-        if waiting + count > self.max_waiting_requests:
-            self._reject("queue_full", count)
-            wanted = "" if count == 1 else f"; {count} requests cannot be queued at once"
-            raise QueueFullError(
-                f"the waiting queue is full ({waiting} requests waiting, "
-                f"max_waiting_requests={self.max_waiting_requests}{wanted}); retry later"
-            )
-
-    def _reject(self, reason: str, count: int) -> None:
-        with self._cond:
-            counts = dict(self.num_rejected)
-            counts[reason] += count
-            self.num_rejected = counts
-
     # -- shutdown -----------------------------------------------------------------------------------
     def shutdown(self, timeout: float | None = 60.0) -> None:
         """Stop the loop: every request in flight ends with ``finish_reason="abort"`` (none is dropped

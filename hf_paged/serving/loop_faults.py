@@ -1,4 +1,5 @@
-"""The engine loop when things go wrong or end: a step that raised, an engine that can serve no more, shutdown.
+"""The engine loop when things go wrong or end: a step that raised, an engine that can serve no more, shutdown,
+a request refused (the loop shut down or failed, the waiting queue full: counted in ``num_rejected`` by reason).
 
 A mixin of :class:`~hf_paged.serving.engine_loop.AsyncPagedEngine`: these methods run on its loop thread
 (:meth:`LoopFaults.wait_for_failure` on any thread) and use its state; the loop itself stays in
@@ -19,13 +20,13 @@ from collections import deque
 
 from hf_paged.outputs import RequestOutput
 from hf_paged.core.sequence import SequenceStatus
-from hf_paged.serving.common import EngineClosedError
+from hf_paged.serving.common import EngineClosedError, EngineFailedError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
 
 class LoopFaults:
-    """Failure and shutdown handling of the engine loop (see the module docstring)."""
+    """Failure, shutdown and refusal handling of the engine loop (see the module docstring)."""
 
     def wait_for_failure(self, timeout: float | None = None) -> str | None:
         """Block until the engine can serve no more (its executor failed for good, e.g. a tensor-parallel worker
@@ -113,3 +114,28 @@ class LoopFaults:
             except Exception:  # noqa: BLE001
                 logger.exception("closing the engine failed")
         self._stopped.set()
+
+    # -- refusing new requests ----------------------------------------------------------------------
+    def _check_open(self, count: int = 0) -> None:
+        if self.failure is not None:
+            self._reject("engine_failed", count)
+            raise EngineFailedError(self.failure)
+        if self._closing or self._stopped.is_set():
+            self._reject("engine_closed", count)
+            raise EngineClosedError("the engine loop is shut down; no request can be added")
+
+    def _check_capacity(self, count: int = 1) -> None:
+        waiting = self.num_waiting
+        if waiting + count > self.max_waiting_requests:
+            self._reject("queue_full", count)
+            wanted = "" if count == 1 else f"; {count} requests cannot be queued at once"
+            raise QueueFullError(
+                f"the waiting queue is full ({waiting} requests waiting, "
+                f"max_waiting_requests={self.max_waiting_requests}{wanted}); retry later"
+            )
+
+    def _reject(self, reason: str, count: int) -> None:
+        with self._cond:
+            counts = dict(self.num_rejected)
+            counts[reason] += count
+            self.num_rejected = counts
