@@ -83,6 +83,7 @@ class _Recorder:
         self.elem = torch.tensor([], dtype=self.dtype).element_size()
         self.threads = torch.get_num_threads()
         self.hidden = embed.embedding_dim
+        self.D: int | None = None  # head_dim: build reads it from the first layer once the layers are checked
         gemm = NATIVE_GEMM.load()  # None: no native packs either
         self.norms, self.attn_lib = fused_ops.LIBRARY.load(), cpu_attention.LIBRARY.load()
         if self.norms is None or self.attn_lib is None:
