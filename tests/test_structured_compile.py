@@ -11,8 +11,10 @@ one), far past the budgets used here, so every test stops it within a second or 
 
 from __future__ import annotations
 
+import json
 import os
 import resource
+import socket
 import threading
 import time
 
@@ -156,9 +158,19 @@ def test_a_client_that_leaves_stops_its_compile(server):
                                                     "guided_regex": "[0-9]+"}, timeout=120)  # replacement child ready
         cancelled, pid = worker.num_cancelled, worker.pid
         body = {"model": TINY_NAME, "prompt": "Fill it", "max_tokens": 4, "guided_json": slow_schema("r")}
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url + "/v1/completions", json=body, timeout=1.5)  # leaves while it compiles
-        deadline = time.monotonic() + 5
+        payload = json.dumps(body).encode()
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        client = socket.create_connection((host, int(port)), timeout=60)
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n" % (host.encode(), len(payload)) + payload)
+        # the client leaves once its grammar is compiling in the child (a fixed wait left, on a slow host, before
+        # the compile had started: nothing to stop then)
+        deadline = time.monotonic() + 60
+        while worker.busy_since is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.busy_since is not None, "the schema never reached the compile child"
+        client.close()
+        deadline = time.monotonic() + 15
         while (worker.num_cancelled == cancelled or _alive(pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert worker.num_cancelled == cancelled + 1 and not _alive(pid), "the compile outlived its client"
