@@ -259,8 +259,10 @@ def test_stop_is_enabled_only_while_generating_and_the_panel_marks_the_tabs_own_
         wait_for(lambda: "0 requests running" in agrees(panel), 30, "the idle panel")
 
     # Tab 0 asks: its Stop is enabled, tab 1's is not; its panel marks its own request, tab 1's panel does not.
-    for tab in tabs:
-        set_max_tokens(tab, 400)
+    # tab 1's answer must outlast the checks made while it runs (400 tokens took ~15 s here: on a fast host it
+    # once ended before tab 0's panel was looked at); it is stopped below
+    for tab, most in zip(tabs, (400, 4000)):
+        set_max_tokens(tab, most)
     send(tabs[0], STORY)
     wait_for(stops[0].is_enabled, 60, "tab 0's Stop to be enabled")
     assert stops[1].is_disabled()
