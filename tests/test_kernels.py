@@ -7,7 +7,7 @@ import torch
 
 from hf_paged.kernels.cpu import attention as cpu_attention
 
-from hf_paged.kernels import TorchAttentionPlan, paged_attention, resolve_backend, store_kv
+from hf_paged.kernels import TorchAttentionPlan, kv_quant, paged_attention, resolve_backend, store_kv
 from hf_paged.kernels.cpu.native import NativeLibrary
 from hf_paged.kernels.reference import paged_attention_reference, store_kv_reference
 from hf_paged import PagedGenerator, SamplingParams
@@ -225,6 +225,56 @@ def test_native_kernel_bf16_head_dims(head_dim):
     want = paged_attention_reference(*case.args())
     got = paged_attention(*case.args(), backend="cpu", plan=plan)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def _int8_pool(cache: torch.Tensor) -> torch.Tensor:
+    """A float pool as int8 rows; its unused (NaN) rows keep a NaN scale, so reading one shows in the result."""
+    rows = kv_quant.quantize_rows(torch.nan_to_num(cache.float()))
+    rows[..., cache.shape[-1]:].view(torch.float32)[cache.isnan().any(-1)] = float("nan")
+    return rows
+
+
+@pytest.mark.parametrize("pool, qdtype, head_dim", [
+    ("bf16", torch.bfloat16, 64),  # bf16 dot products in hardware where the CPU has them
+    ("bf16", torch.bfloat16, 16),  # bf16 rows widened to fp32 first
+    ("int8", torch.bfloat16, 64),  # int8 keys as bf16 (exact), their scale on the dot product
+    ("int8", torch.float32, 64),   # int8 rows dequantized to fp32
+    ("int8", torch.float32, 16),
+])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window, softcap", [(None, None), (37, None), (None, 5.0)])
+def test_native_grouped_rows_take_the_keys_a_chunk_of_blocks_at_a_time(pool, qdtype, head_dim, block_size, window,
+                                                                        softcap):
+    """bf16 queries over a bf16 pool, and any query over an int8 pool, take the grouped path on AVX-512: every
+    row's scores for a chunk of blocks (up to 256 keys), one softmax update per row and chunk, then the chunk's
+    values. Sequences of one chunk, several, and a partial last one; query rows whose causal edge or window
+    starts or ends inside a chunk, or leaves a whole chunk masked; enough sequences that none is split."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seq_lens, q_lens = [700, 300, 257, 256, 120, 3], [1, 16, 5, 1, 40, 3]
+        case = make_case(seq_lens, q_lens, num_heads=6, num_kv_heads=2, head_dim=head_dim, block_size=block_size,
+                         dtype=qdtype if pool == "bf16" else torch.float32, seed=block_size + head_dim)
+        case.query = case.query.to(qdtype)
+        if pool == "int8":
+            case.k_cache, case.v_cache = _int8_pool(case.k_cache), _int8_pool(case.v_cache)
+            k_ref, v_ref = kv_quant.dequantize_rows(case.k_cache), kv_quant.dequantize_rows(case.v_cache)
+        else:
+            k_ref, v_ref = case.k_cache.float(), case.v_cache.float()
+        args = list(case.args())
+        args[0], args[1], args[2] = case.query.float(), k_ref, v_ref
+        want = paged_attention_reference(*args, sliding_window=window, softcap=softcap)
+        out = torch.full_like(case.query, float("nan"))
+        i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
+        cpu_attention.paged_attention_native(
+            case.query, case.k_cache, case.v_cache, i32(case.block_tables), i32(case.seq_lens),
+            i32(case.cu_seqlens_q), torch.arange(len(seq_lens), dtype=torch.int32), out, case.scale, window, softcap,
+            max(q_lens))
+        # fp32 results within fp32 rounding of the reference; bf16 ones within their final rounding
+        tol = 2e-5 if qdtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("isa_flags", [("-mno-avx512bf16",), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma")],

@@ -11,7 +11,14 @@
  * one layer with its blocks in cache): fp32 0.29 -> 0.22 ms, bf16 0.36 -> 0.23 ms. With AVX-512, bf16 scores
  * sixteen keys at a time (one accumulator per key, summed by a transpose-and-add tree) and accumulates the
  * values of all the query rows of a KV head at once, each value row widened once for them; measured on a
- * Zen 5 host (64 sequences x ~190 keys, 30 layers' pools in DRAM): 0.46-0.48 -> 0.35-0.36 ms a layer. Linked against
+ * Zen 5 host (64 sequences x ~190 keys, 30 layers' pools in DRAM): 0.46-0.48 -> 0.35-0.36 ms a layer. That grouped
+ * path takes the keys a chunk of blocks at a time (up to 256): all the rows' scores for the chunk, one softmax
+ * update per row, then the chunk's values, the chunk's values fetched while its keys are scored; an int8 pool
+ * takes it too (keys converted to bf16, exactly, for bf16 queries, else to fp32; values widened in registers).
+ * Measured on a Xeon with AMX, one process calling the two builds in turns (64 sequences x 220 keys, 9 query / 3
+ * KV heads of 64, 30 layers' pools in DRAM): int8 pool 0.61-0.68x the time of the block-by-block row path
+ * (bf16 and fp32 queries), a 3000-key batch-1 decode 0.75x; bf16 pool 0.97x, and 0.73x with the pool in cache
+ * (block by block, each row's softmax bookkeeping cost more than its sixteen keys' arithmetic). Linked against
  * libgomp.so.1, so in a torch process it shares torch's OpenMP runtime (same soname) instead of starting a
  * second thread pool.
  *
@@ -280,17 +287,29 @@ static inline void dot16_bf16(const uint16_t* q, const uint16_t* const* k, int n
 }
 #endif
 
-/* sixteen values of a value row from column d: fp32 as is, bf16 widened (the top half of an fp32) */
-static inline __m512 load16(const void* row, int d, int bf16) {
-    if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + d))), 16));
+/* how accumulate_rows reads a value row: fp32 as is, bf16 widened (the top half of an fp32), int8 (a pool row
+ * of kv_quant.py: the values, then their fp32 scale) widened and times the scale, as load_row dequantizes it */
+enum { V_F32 = 0, V_BF16 = 1, V_I8 = 2 };
+
+/* sixteen values of a value row from column d, as fp32; sc is the row's scale (V_I8) */
+static inline __m512 load16(const void* row, int d, const int kind, const __m512 sc) {
+    if (kind == V_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + d))), 16));
+    if (kind == V_I8) return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)row + d)))), sc);
     return _mm512_loadu_ps((const float*)row + d);
 }
 
+/* the scale of value row t (int8 rows; 1 otherwise), n values long */
+static inline __m512 row_scale(const void* row, int n, const int kind) {
+    float scale = 1.0f;
+    if (kind == V_I8) memcpy(&scale, (const int8_t*)row + n, sizeof scale);
+    return _mm512_set1_ps(scale);
+}
+
 /* acc[i][0:n] += sum_t w[i][t] * v[t][0:n] for nr <= 4 rows at once: each value row is loaded (and widened)
- * once for all of them, 64 columns of every row in registers. n a multiple of 16; nr and bf16 are constants
- * at each call, so the loops unroll. */
+ * once for all of them, 64 columns of every row in registers. n a multiple of 16; nr and kind (V_*) are
+ * constants at each call, so the loops unroll. */
 static inline __attribute__((always_inline)) void accumulate_rows(float* const* acc, const float* const* w, const void* const* v,
-                                                                  int nt, int n, const int nr, const int bf16) {
+                                                                  int nt, int n, const int nr, const int kind) {
     int d = 0;
     for (; d + 64 <= n; d += 64) {
         __m512 c[4][4];
@@ -298,7 +317,8 @@ static inline __attribute__((always_inline)) void accumulate_rows(float* const* 
             for (int j = 0; j < 4; ++j) c[i][j] = _mm512_loadu_ps(acc[i] + d + 16 * j);
         for (int t = 0; t < nt; ++t) {
             __m512 x[4];
-            for (int j = 0; j < 4; ++j) x[j] = load16(v[t], d + 16 * j, bf16);
+            const __m512 sc = row_scale(v[t], n, kind);
+            for (int j = 0; j < 4; ++j) x[j] = load16(v[t], d + 16 * j, kind, sc);
             for (int i = 0; i < nr; ++i) {
                 const __m512 wt = _mm512_set1_ps(w[i][t]);
                 for (int j = 0; j < 4; ++j) c[i][j] = _mm512_fmadd_ps(wt, x[j], c[i][j]);
@@ -311,18 +331,45 @@ static inline __attribute__((always_inline)) void accumulate_rows(float* const* 
         __m512 c[4];
         for (int i = 0; i < nr; ++i) c[i] = _mm512_loadu_ps(acc[i] + d);
         for (int t = 0; t < nt; ++t) {
-            const __m512 x = load16(v[t], d, bf16);
+            const __m512 x = load16(v[t], d, kind, row_scale(v[t], n, kind));
             for (int i = 0; i < nr; ++i) c[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][t]), x, c[i]);
         }
         for (int i = 0; i < nr; ++i) _mm512_storeu_ps(acc[i] + d, c[i]);
     }
 }
 
+/* load_row of an int8 pool row (n a multiple of 16) with 16-float vectors: the same values, (float)q * scale */
+static inline const float* dequant_i8(const void* base, int64_t idx, int n, float* dst) {
+    const int8_t* p = (const int8_t*)base + idx;
+    const __m512 sc = row_scale(p, n, V_I8);
+    for (int d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, load16(p, d, V_I8, sc));
+    return dst;
+}
+
+#if HAVE_DPBF16
+/* an int8 pool row's values as bf16 (exact: integers of at most 8 bits) into dst, its scale into *scale;
+ * n a multiple of 32 */
+static inline const uint16_t* i8_to_bf16(const void* base, int64_t idx, int n, uint16_t* dst, float* scale) {
+    const int8_t* p = (const int8_t*)base + idx;
+    memcpy(scale, p + n, sizeof *scale);
+    for (int d = 0; d < n; d += 32) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + d))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + d + 16))));
+        _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    return dst;
+}
+#endif
+
 /* accumulate_rows over any number of rows, four at a time */
-static void accumulate_grouped(float* const* acc, const float* const* w, const void* const* v, int nt, int n, int rows, int bf16) {
+static void accumulate_grouped(float* const* acc, const float* const* w, const void* const* v, int nt, int n, int rows, int kind) {
     for (int i = 0; i < rows; i += 4) {
         const int nr = rows - i < 4 ? rows - i : 4;
-#define ACC_CASE(NR) case NR: if (bf16) accumulate_rows(acc + i, w + i, v, nt, n, NR, 1); else accumulate_rows(acc + i, w + i, v, nt, n, NR, 0); break;
+#define ACC_CASE(NR) case NR: \
+        if (kind == V_BF16) accumulate_rows(acc + i, w + i, v, nt, n, NR, V_BF16); \
+        else if (kind == V_I8) accumulate_rows(acc + i, w + i, v, nt, n, NR, V_I8); \
+        else accumulate_rows(acc + i, w + i, v, nt, n, NR, V_F32); \
+        break;
         switch (nr) { ACC_CASE(1) ACC_CASE(2) ACC_CASE(3) ACC_CASE(4) }
 #undef ACC_CASE
     }
@@ -410,11 +457,33 @@ int hfp_paged_attention(
     float* partial = parts > 1 ? (float*)malloc((size_t)n_work * part_floats * sizeof(float)) : NULL;
     if (parts > 1 && partial == NULL) return -1;
 
+    /* bf16 queries score bf16 keys in place, and int8 keys converted to bf16 (exact: |q| <= 127) with their
+     * scale applied to the dot product */
+    const int bf16_dot = HAVE_DPBF16 && dtype == DT_BF16 && (kv_dtype == DT_BF16 || kv_dtype == DT_I8) && head_dim % 32 == 0;
+    /* AVX-512 with bf16 queries and pool, or an int8 pool: scores sixteen keys at a time (dot16), values
+     * accumulated for all the rows of a KV head at once from the cache rows in place (accumulate_grouped), and
+     * the keys taken a chunk of blocks at a time: every row's scores for the chunk first, one softmax update per
+     * row for the whole chunk, then the chunk's values (block by block, the softmax bookkeeping of each row cost
+     * more than its sixteen keys' arithmetic). fp32 keeps the row-by-row path: the grouped one computes faster
+     * with the pool in cache but measured slower with it in DRAM (Zen 5). */
+    const int grouped = VW == 16 && head_dim % 16 == 0
+        && ((dtype == DT_BF16 && kv_dtype == DT_BF16) || kv_dtype == DT_I8);
+    /* a chunk: up to GROUP_KEYS keys, whole blocks, its scores (rows x keys) within GROUP_SCORE_FLOATS */
+    enum { GROUP_KEYS = 256, GROUP_SCORE_FLOATS = 16384 };
+    int chunk_blocks = 1;
+    if (grouped) {
+        chunk_blocks = GROUP_KEYS / block_size;
+        const int fit = max_rows > 0 ? GROUP_SCORE_FLOATS / (max_rows * block_size) : 1;
+        chunk_blocks = chunk_blocks < fit ? chunk_blocks : fit;
+        chunk_blocks = chunk_blocks > 1 ? chunk_blocks : 1;
+    }
+    const int sc_cols = chunk_blocks * block_size; /* columns of the per-row scores */
+
 #pragma omp parallel num_threads(num_threads)
     {
         /* per-thread scratch: the block's row pointers for k and v, then (fp32) q rows, accumulators,
-         * softmax state, block scores, the block's k and v rows converted to fp32 */
-        const size_t floats = (size_t)max_rows * head_dim * 2 + (size_t)max_rows * (2 + block_size) + 2 * (size_t)block_size * head_dim;
+         * softmax state, scores (a block's, or a chunk's where grouped), the block's k and v rows converted */
+        const size_t floats = (size_t)max_rows * head_dim * 2 + (size_t)max_rows * (2 + sc_cols) + 2 * (size_t)block_size * head_dim;
         const size_t qbf_floats = HAVE_DPBF16 ? ((size_t)max_rows * head_dim + 1) / 2 : 0; /* bf16 query rows */
         const float** kp = (const float**)malloc(4 * (size_t)block_size * sizeof(float*) + (floats + qbf_floats) * sizeof(float));
         const float** vp = kp + block_size;
@@ -429,15 +498,14 @@ int hfp_paged_attention(
         float* acc = qbuf + (size_t)max_rows * head_dim;
         float* m = acc + (size_t)max_rows * head_dim;
         float* l = m + max_rows;
-        float* sc = l + max_rows; /* [rows, block_size] */
-        float* kbuf = sc + (size_t)max_rows * block_size;
+        float* sc = l + max_rows; /* [rows, sc_cols] */
+        float* kbuf = sc + (size_t)max_rows * sc_cols;
         float* vbuf = kbuf + (size_t)block_size * head_dim;
         uint16_t* qbf = (uint16_t*)(vbuf + (size_t)block_size * head_dim);
-        const int bf16_dot = HAVE_DPBF16 && dtype == DT_BF16 && kv_dtype == DT_BF16 && head_dim % 32 == 0;
-        /* AVX-512 and bf16: scores sixteen keys at a time (dot16), values accumulated for all the rows of a KV
-         * head at once from the cache rows in place (accumulate_grouped). fp32 keeps the row-by-row path: the
-         * grouped one computes faster with the pool in cache but measured slower with it in DRAM (Zen 5). */
-        const int grouped = VW == 16 && head_dim % 16 == 0 && dtype == DT_BF16 && kv_dtype == DT_BF16;
+#if HAVE_DPBF16
+        uint16_t* kbf = (uint16_t*)kbuf; /* int8 keys as bf16 (bf16_dot): [block_size, head_dim] */
+        float* kscale = vbuf;             /* and their scales (vbuf is unused where grouped) */
+#endif
 
         /* items taken one at a time; while a thread finishes one it fetches the first block of item it + nthr, the
          * one it most likely takes next (Zen 5, 64 sequences x ~100 keys, bf16: 0.23 -> 0.19 ms a layer; dealing
@@ -482,7 +550,132 @@ int hfp_paged_attention(
                 last_block = jb_lo + (int)((int64_t)n_blocks * (part + 1) / parts) - 1;
                 jb_lo = lo;
             }
-            for (int jb = jb_lo; jb <= last_block; ++jb) {
+            /* the item's part of a block's slots: a run of run_bytes in each slot (run_bytes == slot_bytes: the
+             * whole block); prefetched pf_lines per slot */
+            const size_t run_bytes = (size_t)heads_per_item * kv_row * elem, slot_bytes = (size_t)tok_stride * elem;
+            const size_t pf_lines = (run_bytes + 63) / 64 + (run_bytes < slot_bytes); /* a run may straddle lines */
+            const size_t pf_total = run_bytes == slot_bytes ? block_bytes / 64 : pf_lines * block_size;
+#if VW == 16
+            /* the first block of item it + nthr, the one this thread most likely takes next (none: NULL) */
+            const char* next_item_k = NULL;
+            if (w + nthr < n_work && parts == 1) {
+                const int s2 = seq_ids[(it + nthr) / splits];
+                const int64_t first = block_tables[(int64_t)s2 * bt_stride]; /* (a sliding window may start later) */
+                if (seq_lens[s2] > 0 && first >= 0)
+                    next_item_k = (const char*)k_cache + (size_t)first * block_bytes
+                        + (size_t)((it + nthr) % splits) * heads_per_item * kv_row * elem;
+            }
+            for (int cb = jb_lo; grouped && cb <= last_block; cb += chunk_blocks) {
+                const int ce = cb + chunk_blocks - 1 < last_block ? cb + chunk_blocks - 1 : last_block;
+                const int c0 = cb * block_size, c1 = (ce + 1) * block_size < seq_len ? (ce + 1) * block_size : seq_len;
+                const int nk = c1 - c0;
+                const size_t run0 = (size_t)h_lo * kv_row * elem; /* the item's run within a slot */
+#define BLOCK_AT(cache, jb) ((const char*)(cache) + (size_t)block_tables[(int64_t)s * bt_stride + (jb)] * block_bytes + run0)
+                const char* next_chunk_or_item = ce < last_block ? BLOCK_AT(k_cache, ce + 1) : next_item_k;
+                // -- pass 1: every row's scores for the chunk's keys, block by block --
+                for (int jb = cb; jb <= ce; ++jb) {
+                    const int t0 = jb * block_size, nt = seq_len - t0 < block_size ? seq_len - t0 : block_size;
+                    const char* kb = BLOCK_AT(k_cache, jb);
+                    /* fetched while this block computes: the next block's keys, and this block's values (read in
+                     * pass 2; the chunk's values stay in L2) */
+                    const char* pf = jb < ce ? BLOCK_AT(k_cache, jb + 1) : next_chunk_or_item;
+                    const char* pf2 = BLOCK_AT(v_cache, jb);
+                    size_t pf_line = 0;
+                    const size_t pf_step = pf_total / rows + 1;
+                    for (int hh = 0; hh < heads_per_item; ++hh) {
+                        for (int t = 0; t < nt; ++t) {
+                            const char* row = kb + (size_t)t * slot_bytes + (size_t)hh * kv_row * elem;
+#if HAVE_DPBF16
+                            if (bf16_dot) kr[t] = kv_dtype == DT_I8 ? i8_to_bf16(row, 0, head_dim, kbf + (size_t)t * head_dim, kscale + t)
+                                                                    : (const uint16_t*)row;
+                            else
+#endif
+                            if (kv_dtype == DT_I8) kp[t] = dequant_i8(row, 0, head_dim, kbuf + (size_t)t * head_dim);
+                            else kp[t] = load_row(row, 0, head_dim, kv_dtype, kbuf + (size_t)t * head_dim);
+                        }
+                        const int r0 = hh * q_len * rep, r1 = r0 + q_len * rep;
+                        for (int r = r0; r < r1; ++r) {
+                            float* srow = sc + (size_t)r * sc_cols + (t0 - c0);
+                            int t = 0;
+#if HAVE_DPBF16
+                            if (bf16_dot) {
+                                const uint16_t* qb = qbf + (size_t)r * head_dim;
+                                for (; t + 16 <= nt; t += 16) dot16_bf16(qb, kr + t, head_dim, srow + t);
+                                for (; t + 4 <= nt; t += 4) dot4_bf16(qb, kr + t, head_dim, srow + t);
+                                for (; t < nt; ++t) srow[t] = _mm512_reduce_add_ps(dot_bf16_acc(_mm512_setzero_ps(), qb, kr[t], head_dim));
+                                if (kv_dtype == DT_I8)
+#pragma omp simd
+                                    for (t = 0; t < nt; ++t) srow[t] *= kscale[t];
+                            } else
+#endif
+                            {
+                                const float* q = qbuf + (size_t)r * head_dim;
+                                for (; t + 16 <= nt; t += 16) dot16(q, kp + t, head_dim, srow + t);
+                                for (; t + 4 <= nt; t += 4) dot4(q, kp + t, head_dim, srow + t);
+                                for (; t < nt; ++t) srow[t] = dot(q, kp[t], head_dim);
+                            }
+                            for (const size_t end = pf_line + pf_step; pf_line < end && pf_line < pf_total; ++pf_line) {
+                                const size_t off = run_bytes == slot_bytes ? 64 * pf_line
+                                    : pf_line / pf_lines * slot_bytes + 64 * (pf_line % pf_lines);
+                                if (pf != NULL) __builtin_prefetch(pf + off);
+                                __builtin_prefetch(pf2 + off);
+                            }
+                        }
+                    }
+                }
+                // -- the softmax update of each row for the whole chunk (online across chunks) --
+                for (int r = 0; r < rows; ++r) {
+                    const int p = first_pos + (r / rep) % q_len; /* the row's query position */
+                    float* srow = sc + (size_t)r * sc_cols;
+                    float bm = -INFINITY;
+                    if (softcap <= 0.0f && c1 - 1 <= p && (window <= 0 || c0 > p - window)) { /* all visible */
+#pragma omp simd reduction(max : bm)
+                        for (int t = 0; t < nk; ++t) {
+                            const float x = srow[t] * scale;
+                            srow[t] = x;
+                            bm = x > bm ? x : bm;
+                        }
+                    } else for (int t = 0; t < nk; ++t) {
+                        const int pos = c0 + t;
+                        float x = srow[t] * scale;
+                        if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                        x = pos <= p && (window <= 0 || pos > p - window) ? x : -INFINITY;
+                        srow[t] = x;
+                        bm = x > bm ? x : bm;
+                    }
+                    if (bm == -INFINITY) { /* nothing visible in this chunk: no weight */
+                        memset(srow, 0, (size_t)nk * sizeof(float));
+                        continue;
+                    }
+                    float* a = acc + (size_t)r * head_dim;
+                    const float new_m = bm > m[r] ? bm : m[r];
+                    if (new_m > m[r] && l[r] > 0.0f) {
+                        const float corr = exp_nonpos(m[r] - new_m);
+                        l[r] *= corr;
+                        for (int d = 0; d < head_dim; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(corr)));
+                    }
+                    m[r] = new_m;
+                    l[r] += exp_block(srow, nk, new_m);
+                }
+                // -- pass 2: the chunk's values, block by block, for all the rows of each KV head at once --
+                for (int jb = cb; jb <= ce; ++jb) {
+                    const int t0 = jb * block_size, nt = seq_len - t0 < block_size ? seq_len - t0 : block_size;
+                    const char* vb = BLOCK_AT(v_cache, jb);
+                    for (int hh = 0; hh < heads_per_item; ++hh) {
+                        for (int t = 0; t < nt; ++t) vr[t] = vb + (size_t)t * slot_bytes + (size_t)hh * kv_row * elem;
+                        const int r0 = hh * q_len * rep, n_rows = q_len * rep;
+                        float* accs[n_rows];
+                        const float* ws[n_rows];
+                        for (int i = 0; i < n_rows; ++i)
+                            accs[i] = acc + (size_t)(r0 + i) * head_dim, ws[i] = sc + (size_t)(r0 + i) * sc_cols + (t0 - c0);
+                        accumulate_grouped(accs, ws, vr, nt, head_dim, n_rows, kv_dtype == DT_I8 ? V_I8 : V_BF16);
+                    }
+                }
+#undef BLOCK_AT
+            }
+#endif
+            // -- the row-by-row path (not grouped): block by block, each row's scores, softmax and values --
+            for (int jb = jb_lo; !grouped && jb <= last_block; ++jb) {
                 const int64_t block = block_tables[(int64_t)s * bt_stride + jb];
                 const int t0 = jb * block_size;
                 const int nt = seq_len - t0 < block_size ? seq_len - t0 : block_size;
@@ -509,46 +702,22 @@ int hfp_paged_attention(
                 const int all_visible = softcap <= 0.0f && t0 + nt - 1 <= first_pos
                     && (window <= 0 || t0 > seq_len - 1 - window);
                 size_t pf_line = 0; /* the item's lines of the next block: pf_lines of each slot's run, slot by slot */
-                const size_t run_bytes = (size_t)heads_per_item * kv_row * elem, slot_bytes = (size_t)tok_stride * elem;
-                const size_t pf_lines = (run_bytes + 63) / 64 + (run_bytes < slot_bytes); /* a run may straddle lines */
-                const size_t pf_total = run_bytes == slot_bytes ? block_bytes / 64 : pf_lines * block_size;
                 const size_t pf_step = pf_total / rows + 1;
                 for (int hh = 0; hh < heads_per_item; ++hh) {
                     // -- this KV head's keys and values in the block, as fp32 rows (or in place) --
                     for (int t = 0; t < nt; ++t) {
                         const int64_t idx = base + t * tok_stride + (int64_t)hh * kv_row;
-                        if (bf16_dot) kr[t] = (const uint16_t*)k_cache + idx;
-                        else kp[t] = load_row(k_cache, idx, head_dim, kv_dtype, kbuf + (size_t)t * head_dim);
-                        if (grouped) vr[t] = (const char*)v_cache + idx * elem;
-                        else vp[t] = load_row(v_cache, idx, head_dim, kv_dtype, vbuf + (size_t)t * head_dim);
+                        kp[t] = load_row(k_cache, idx, head_dim, kv_dtype, kbuf + (size_t)t * head_dim);
+                        vp[t] = load_row(v_cache, idx, head_dim, kv_dtype, vbuf + (size_t)t * head_dim);
                     }
                     const int r0 = hh * q_len * rep, r1 = r0 + q_len * rep;
                     for (int r = r0; r < r1; ++r) {
-                        // -- the row's scores against the block's keys: sixteen (grouped) or four at a time --
+                        // -- the row's scores against the block's keys, four at a time --
                         const float* q = qbuf + (size_t)r * head_dim;
-                        float* srow = sc + (size_t)r * block_size;
+                        float* srow = sc + (size_t)r * sc_cols;
                         int t = 0;
-#if VW == 16
-                        if (grouped)
-                            for (; t + 16 <= nt; t += 16) {
-#if HAVE_DPBF16
-                                if (bf16_dot) dot16_bf16(qbf + (size_t)r * head_dim, kr + t, head_dim, srow + t);
-                                else
-#endif
-                                    dot16(q, kp + t, head_dim, srow + t);
-                            }
-#endif
-#if HAVE_DPBF16
-                        if (bf16_dot) {
-                            const uint16_t* qb = qbf + (size_t)r * head_dim;
-                            for (; t + 4 <= nt; t += 4) dot4_bf16(qb, kr + t, head_dim, srow + t);
-                            for (; t < nt; ++t) srow[t] = _mm512_reduce_add_ps(dot_bf16_acc(_mm512_setzero_ps(), qb, kr[t], head_dim));
-                        } else
-#endif
-                        {
-                            for (; t + 4 <= nt; t += 4) dot4(q, kp + t, head_dim, srow + t);
-                            for (; t < nt; ++t) srow[t] = dot(q, kp[t], head_dim);
-                        }
+                        for (; t + 4 <= nt; t += 4) dot4(q, kp + t, head_dim, srow + t);
+                        for (; t < nt; ++t) srow[t] = dot(q, kp[t], head_dim);
                         const int p = first_pos + (r - r0) / rep; /* the row's query position */
                         float bm = -INFINITY;
                         if (all_visible) { /* no mask, no softcap: scale and max, vectorized */
@@ -566,10 +735,7 @@ int hfp_paged_attention(
                             srow[t] = x;
                             bm = x > bm ? x : bm;
                         }
-                        if (bm == -INFINITY) { /* nothing visible in this block */
-                            if (grouped) memset(srow, 0, (size_t)nt * sizeof(float));
-                            continue;
-                        }
+                        if (bm == -INFINITY) continue; /* nothing visible in this block */
 
                         // -- online softmax: rescale what was accumulated, turn scores into weights --
                         float* a = acc + (size_t)r * head_dim;
@@ -585,8 +751,8 @@ int hfp_paged_attention(
                         m[r] = new_m;
                         l[r] += exp_block(srow, nt, new_m);
 
-                        // -- accumulate the block's values (grouped: below, for all rows at once) --
-                        if (!grouped) accumulate(a, srow, vp, nt, head_dim);
+                        // -- accumulate the block's values --
+                        accumulate(a, srow, vp, nt, head_dim);
                         if (pf_k != NULL)
                             for (const size_t end = pf_line + pf_step; pf_line < end && pf_line < pf_total; ++pf_line) {
                                 const size_t off = run_bytes == slot_bytes ? 64 * pf_line
@@ -595,14 +761,6 @@ int hfp_paged_attention(
                                 __builtin_prefetch(pf_v + off);
                             }
                     }
-#if VW == 16
-                    if (grouped) {
-                        float* accs[r1 - r0];
-                        const float* ws[r1 - r0];
-                        for (int r = r0; r < r1; ++r) accs[r - r0] = acc + (size_t)r * head_dim, ws[r - r0] = sc + (size_t)r * block_size;
-                        accumulate_grouped(accs, ws, vr, nt, head_dim, r1 - r0, 1);
-                    }
-#endif
                 }
             }
 
