@@ -22,16 +22,20 @@ import torch
 from hf_paged.kernels.cpu import fused_ops, packed_linear
 from hf_paged.model.layers import quant_layout
 from hf_paged.model.layers.linear import DenseLinear
-from hf_paged.model.layers.parallel import ParallelLinear, rank0_choice
+from hf_paged.model.layers.parallel import is_shard, rank0_value
 from hf_paged.model.layers.quant_linear import QuantLinear, kernel, native_library
 
 logger = logging.getLogger(__name__)
 
 
 def decide(model: torch.nn.Module) -> dict:
-    """This process's choices for ``model``'s layers, each made now where it is not yet (timing it)."""
+    """This process's choices for ``model``'s layers, each made now where it is not yet (timing it): the SiLU-mul
+    for the dtypes of the model's floating-point parameters (its activations'), the int8 layout per weight family
+    its int8-mode layers have, upcast's fp32 packing if it has such layers."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     for dtype in fused_ops.SILU_DTYPES:
-        fused_ops.silu_mul_kernel(dtype)
+        if dtype in dtypes:
+            fused_ops.silu_mul_kernel(dtype)
     seen = set()
     upcast = None
     for m in model.modules():
@@ -56,10 +60,10 @@ def agree(model: torch.nn.Module) -> dict | None:
     """On a tensor-parallel shard (every rank calls this at the same point of its start, after its layers are
     quantized and packed and before any forward), decide the choices and take rank 0's; the choices in effect.
     None (nothing done) for a model that is not a shard."""
-    if not any(type(m) is ParallelLinear for m in model.modules()):
+    if not is_shard(model):
         return None
     mine = decide(model)
-    chosen = rank0_choice(model, mine)
+    chosen = rank0_value(mine)
     if chosen != mine:
         logger.info("kernel choices timed here %s; running rank 0's %s", mine, chosen)
         adopt(chosen)

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from hf_paged.model.layers.linear import DenseLinear
-from hf_paged.model.layers.parallel import rank0_choice
+from hf_paged.model.layers.parallel import is_shard, rank0_value
 from hf_paged.kernels.cpu.packed_linear import (
     CANDIDATES, KIND_NAMES, PACKERS, OneDnnPackedWeight, PackedWeight, UpcastPackedWeight, available, fastest_kind,
 )
@@ -113,6 +113,7 @@ class PackedLinears:
         self._groups: dict[tuple, PackedGroup | None] = {}
         self.kinds: dict[torch.dtype, str] = {}  # dtype -> packing kind in use ("torch": not packed)
         nbytes = 0
+        self._shard = is_shard(model)  # a tensor-parallel shard packs as rank 0 chose
         for module in model.modules():
             if type(module) is not DenseLinear or module.weight.device.type != "cpu":
                 continue
@@ -121,7 +122,7 @@ class PackedLinears:
                 # made under torch.inference_mode: no version counter, so an in-place change could not be seen
                 # and a pack would go stale silently; these keep F.linear
                 continue
-            packer = self._packer(w, kind, model)
+            packer = self._packer(w, kind)
             if packer is None:
                 continue
             # packed on first use: the members of a packed group (q/k/v, gate/up) never need a pack of their own
@@ -133,13 +134,13 @@ class PackedLinears:
             ", ".join(f"{str(d).removeprefix('torch.')}: {k}" for d, k in self.kinds.items()) or "none",
         )
 
-    def _packer(self, weight: torch.Tensor, kind: str, model: torch.nn.Module) -> _Packer | None:
+    def _packer(self, weight: torch.Tensor, kind: str) -> _Packer | None:
         dtype = weight.dtype
         if dtype not in self.kinds:
             if kind in ("auto", "any"):
                 # timed on each rank alone: a tensor-parallel shard packs as rank 0 chose
-                self.kinds[dtype] = rank0_choice(model, fastest_kind(dtype, *weight.shape,
-                                                                           include_torch=kind == "auto"))
+                fastest = fastest_kind(dtype, *weight.shape, include_torch=kind == "auto")
+                self.kinds[dtype] = rank0_value(fastest) if self._shard else fastest
             else:
                 self.kinds[dtype] = kind if kind in CANDIDATES.get(dtype, ()) and available(kind, dtype) else "torch"
         chosen = self.kinds[dtype]

@@ -118,15 +118,23 @@ class ParallelLinear(torch.nn.Module):
         return absmax
 
 
+def is_shard(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a tensor-parallel shard: it has a :class:`ParallelLinear` and the process group is up."""
+    return dist.is_initialized() and any(type(m) is ParallelLinear for m in model.modules())
+
+
+def rank0_value(value):
+    """``value`` as rank 0 has it (a broadcast in the default process group; every rank calls this together)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def rank0_choice(model: torch.nn.Module, value):
     """``value`` as rank 0 chose it, where ``model`` is a tensor-parallel shard (every rank calls this at the same
     point of its start): a choice timed on each rank (a kernel mode) could differ between ranks, and then so would
     the numbers. Else ``value`` itself."""
-    if not any(type(m) is ParallelLinear for m in model.modules()) or not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return rank0_value(value) if is_shard(model) else value
 
 
 def linear_of(module: torch.nn.Module) -> torch.nn.Module:
